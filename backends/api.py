@@ -1,0 +1,127 @@
+"""The vendor interface: a Backend loads a partition onto a device and returns an Executable.
+
+Few required methods, the rest defaulted (like Glow's Backend and vLLM's
+Platform). Tensors cross this boundary as ``dict[str, numpy.ndarray]``, so a
+backend needs no torch. ``Executable.run`` is blocking and is called from one
+worker thread per executable (a card runs one batch at a time);
+``Executable.infer`` is the async entry the server awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .spec import DeviceSpec
+
+__all__ = ["PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit", "Arrays"]
+
+Arrays = dict[str, np.ndarray]
+
+
+class BackendError(RuntimeError):
+    """A backend failed to load or run a partition; the message goes to the client."""
+
+
+class DoesNotFit(BackendError):
+    """The partition needs more device memory than is free; the message quotes both numbers."""
+
+
+@dataclass
+class PartitionArtifact:
+    """One partition, ready to load: its format, its payload and what the cost model knows.
+
+    ``format`` is "onnx" (payload: bytes or a path) or "torch-fx" (payload: a
+    callable ``torch.nn.Module`` taking the inputs positionally in
+    ``input_names`` order and returning a tuple in ``output_names`` order).
+    """
+
+    name: str
+    format: str
+    payload: Any
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    param_bytes: int = 0
+    """Bytes of weights the partition holds on its device."""
+    flops_per_item: float = 0.0
+    """FLOPs per batch row (item), for the cost model."""
+    bytes_per_item: float = 0.0
+    """Device-memory bytes touched per batch row beyond the weights (activations, lookups)."""
+    dtype: str = "fp32"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Executable(ABC):
+    """A partition loaded on one device. Subclasses implement ``run``; the rest is defaulted."""
+
+    def __init__(self, artifact: PartitionArtifact, device: DeviceSpec) -> None:
+        self.artifact = artifact
+        self.device = device
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.artifact.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.artifact.output_names
+
+    @abstractmethod
+    def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        """Compute one batch, blocking. Raise BackendError (or any exception) on failure."""
+
+    async def infer(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        """Run one batch off the event loop, one at a time per executable (its own worker thread)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{self.device.name}-{self.artifact.name}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.run, inputs)
+
+    def memory_bytes(self) -> int:
+        """Device memory this executable holds (weights by default)."""
+        return self.artifact.param_bytes
+
+    def close(self) -> None:
+        """Release the device resources; the default stops the worker thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+
+class Backend(ABC):
+    """A kind of device sixfold can run partitions on.
+
+    Required: ``name`` and ``load``. Defaulted: ``formats``/``supports`` (which
+    partitions it takes), ``devices`` (what it finds on this machine),
+    ``available`` (whether its runtime is importable here).
+    """
+
+    name: ClassVar[str]
+    formats: ClassVar[tuple[str, ...]] = ("onnx",)
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Whether this backend can run here, and why not when it cannot."""
+        return True, ""
+
+    def devices(self) -> list[DeviceSpec]:
+        """Devices this backend found on this machine (empty: the caller supplies specs)."""
+        return []
+
+    def supports(self, artifact: PartitionArtifact) -> bool:
+        return artifact.format in self.formats
+
+    @abstractmethod
+    def load(self, artifact: PartitionArtifact, device: DeviceSpec) -> Executable:
+        """Load ``artifact`` on ``device``; raise DoesNotFit when it cannot fit."""

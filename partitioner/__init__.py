@@ -1,0 +1,1 @@
+"""partitioner package."""
