@@ -9,6 +9,7 @@ dense only; anything else is reported, not silently reordered.
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -62,26 +63,22 @@ def _copy_attrs(src: fx.GraphModule, dst_root: torch.nn.Module, graph: fx.Graph)
             setattr(owner, leaf, copy.deepcopy(value))
 
 
+def _boundary_name(node: fx.Node) -> str:
+    # ``getitem(embedding_bag, 0)`` reads better as ``host_embedding_bag`` than ``host_getitem``.
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        index = node.args[1]
+        return f"host_{node.args[0].name}" + ("" if index == 0 else f"_{index}")
+    return f"host_{node.name}"
+
+
 def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
               output_names: list[str] | None = None) -> SplitGraph:
     """Split ``gm`` by ``labels`` into host and dense GraphModules (``gm`` is left intact)."""
     nodes = [n for n in gm.graph.nodes if n.op != "output" and not _is_skippable(n)]
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    for node in nodes:
-        if node not in labels:
-            raise ValueError(f"node {node.name} has no partition label")
-        if labels[node] == HOST:
-            for user in node.users:
-                if user.op != "output" and not _is_skippable(user) and labels.get(user) is None:
-                    raise ValueError(f"user {user.name} of {node.name} has no partition label")
-        else:
-            for src in node.all_input_nodes:
-                if labels.get(src) == DENSE or labels.get(src) == HOST:
-                    continue
-                raise ValueError(f"input {src.name} of {node.name} has no partition label")
-    for node in nodes:
-        if labels[node] == HOST:
-            continue
+    missing = [n.name for n in nodes if n not in labels]
+    if missing:
+        raise ValueError(f"nodes without a partition label: {missing}")
     # Host -> dense only: a host node must not read a dense value.
     for node in nodes:
         if labels[node] == HOST:
@@ -109,7 +106,7 @@ def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
         if node.op != "placeholder" and any(
                 labels.get(u) == DENSE for u in node.users if u.op != "output"):
             boundary_nodes.append(node)
-    boundary = [f"host_{n.name}" for n in boundary_nodes]
+    boundary = [_boundary_name(n) for n in boundary_nodes]
     host_graph.output(tuple(env[n] for n in boundary_nodes))
 
     # Dense graph: model inputs it reads directly, then the boundary values.

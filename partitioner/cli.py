@@ -1,0 +1,50 @@
+"""sixfold-partition: cut a model into host + dense partitions, place them, write and explain the plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+import models
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sixfold-partition", description=__doc__)
+    p.add_argument("--model", required=True, help=f"built-in model: {', '.join(models.names())}")
+    p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cards", type=int, default=6, help="number of accelerator cards (default 6)")
+    p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
+    p.add_argument("--host-spec", default="host-cpu", help="device spec name or JSON file for the host")
+    p.add_argument("--batch-rows", type=int, default=256, help="batch size the estimates are for")
+    p.add_argument("--out", required=True, help="output folder (a model-repository version folder)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(stderr=False)
+    err = Console(stderr=True)
+    from .artifacts import write_artifacts
+    from .compile import partition_builtin
+    from .explain import print_plan
+    try:
+        with console.status(f"exporting and partitioning {args.model}..."):
+            _, partitioned = partition_builtin(
+                args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
+                card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows)
+            path = write_artifacts(partitioned, args.out)
+    except (KeyError, ValueError, MemoryError, FileNotFoundError) as exc:
+        err.print(f"[red]sixfold-partition: {exc.args[0] if exc.args else exc}[/]")
+        return 2
+    print_plan(partitioned.plan, console)
+    console.print(f"wrote {path.parent}/ (plan.json, dense.onnx, tables/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

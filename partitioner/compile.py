@@ -1,0 +1,212 @@
+"""From a model to a PartitionPlan plus loadable artifacts (the partitioner's one entry point).
+
+    model --export--> graph --policy--> labels --cut--> host + dense modules
+          --cost--> per-item FLOPs/bytes --strategy--> placements --> plan
+
+The plan is plain data; the artifacts are what backends load (the host stage
+as a torch FX module, the dense stage as ONNX bytes).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import models
+from backends.api import PartitionArtifact
+from backends.spec import DeviceSpec, load_spec
+from models.signature import DENSE, INDICES, LENGTHS, SCORES
+
+from .cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, stage_seconds
+from .frontend import export_model
+from .graph_cut import SplitGraph, cut_graph
+from .plan import (DeviceEstimate, DeviceInfo, Estimates, PartitionInfo, PartitionPlan, TensorInfo)
+from .sparse_dense import assign_sparse_dense
+from .strategy import replicate
+
+__all__ = ["PartitionedModel", "partition_model", "partition_builtin", "HOST_PARTITION", "DENSE_PARTITION"]
+
+log = logging.getLogger(__name__)
+
+HOST_PARTITION = "sparse"
+DENSE_PARTITION = "dense"
+_DTYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.int32: "INT32", torch.int64: "INT64"}
+
+ExampleFn = Callable[[int], dict[str, torch.Tensor]]
+
+
+@dataclass
+class PartitionedModel:
+    """A plan and the artifacts it names, ready for backends to load."""
+
+    plan: PartitionPlan
+    artifacts: dict[str, PartitionArtifact]
+    split: SplitGraph
+
+
+def _tensor_info(name: str, t: torch.Tensor, batch_dim_dynamic: bool = True) -> TensorInfo:
+    shape = list(t.shape)
+    if batch_dim_dynamic and shape:
+        shape[0] = -1
+    return TensorInfo(name=name, datatype=_DTYPES.get(t.dtype, str(t.dtype)), shape=shape)
+
+
+def _run_host(split: SplitGraph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    with torch.inference_mode():
+        out = split.host(*[inputs[n] for n in split.host_inputs])
+    return dict(zip(split.boundary, out))
+
+
+def _dense_args(split: SplitGraph, inputs: dict[str, torch.Tensor],
+                boundary: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    env = {**inputs, **boundary}
+    return tuple(env[n] for n in split.dense_inputs)
+
+
+def _export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], input_names: list[str],
+                 output_names: list[str]) -> bytes:
+    dynamic = tuple({0: torch.export.Dim(f"rows_{i}", min=1)} for i in range(len(args)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        program = torch.onnx.export(module.eval(), args, dynamo=True, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=dynamic,
+                                    optimize=True, verbose=False)
+    buffer = io.BytesIO()
+    program.save(buffer)
+    return buffer.getvalue()
+
+
+def _estimate(plan_devices: list[DeviceInfo], placements, costs: dict[str, PartitionCost],
+              io_bytes: dict[str, tuple[float, float]], batch_rows: int) -> Estimates:
+    per_device: list[DeviceEstimate] = []
+    rates: dict[str, float] = {}
+    for device in plan_devices:
+        names = [p.partition for p in placements if p.device == device.id]
+        if not names:
+            continue
+        seconds = 0.0
+        for name in names:
+            in_per, out_per = io_bytes[name]
+            seconds += stage_seconds(device.spec, costs[name], batch_rows, in_per * batch_rows, out_per * batch_rows)
+        memory = sum(costs[n].param_bytes for n in names)
+        per_device.append(DeviceEstimate(device=device.id, partitions=names, memory_bytes=memory,
+                                         memory_capacity=device.spec.memory_bytes,
+                                         batch_seconds=seconds, utilisation=0.0))
+    # Throughput bound: each partition's replicas share its load; the slowest stage limits.
+    for name in costs:
+        replicas = [d for d in per_device if name in d.partitions]
+        rates[name] = sum(batch_rows / d.batch_seconds for d in replicas if d.batch_seconds > 0) or float("inf")
+    bottleneck = min(rates, key=rates.get)
+    bound = rates[bottleneck]
+    for d in per_device:
+        replicas = sum(1 for x in per_device if set(x.partitions) == set(d.partitions))
+        d.utilisation = min(1.0, bound / replicas * d.batch_seconds / batch_rows) if batch_rows else 0.0
+    latency = sum(max(d.batch_seconds for d in per_device if name in d.partitions) for name in costs)
+    return Estimates(batch_rows=batch_rows, per_device=per_device, bottleneck=bottleneck,
+                     throughput_items_per_s=bound, latency_ms=latency * 1e3)
+
+
+def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
+                    cards: list[DeviceSpec], host: DeviceSpec, tables: dict | None = None,
+                    strategy: str = "replicate", batch_rows: int = 256) -> PartitionedModel:
+    """Cut ``model`` into a host (sparse) and a dense partition and place them.
+
+    ``example(rows)`` returns a real canonical request of ``rows`` items; it is
+    used for export, for measuring FLOPs per item and for the ONNX export.
+    """
+    if strategy != "replicate":
+        raise ValueError(f"unknown strategy {strategy!r}; available: replicate")
+    small, large = example(4), example(64)
+    program = export_model(model, tuple(small[n] for n in (DENSE, LENGTHS, INDICES)))
+    gm = program.module()
+    split = cut_graph(gm, assign_sparse_dense(gm.graph), [SCORES])
+
+    small_b, large_b = _run_host(split, small), _run_host(split, large)
+    small_args, large_args = _dense_args(split, small, small_b), _dense_args(split, large, large_b)
+
+    ids_per_item = large[INDICES].numel() / large[DENSE].shape[0]
+    host_cost = PartitionCost(
+        param_bytes=module_param_bytes(split.host), flops_per_item=0.0,
+        bytes_per_item=ids_per_item * lookup_bytes_per_id(split.host), weight_bytes_per_batch=0)
+    dense_param = module_param_bytes(split.dense)
+    dense_in_per_item = sum(a.numel() * a.element_size() for a in large_args) / 64
+    dense_cost = PartitionCost(
+        param_bytes=dense_param,
+        flops_per_item=flops_per_item(split.dense, small_args, 4, large_args, 64),
+        bytes_per_item=2.0 * dense_in_per_item, weight_bytes_per_batch=dense_param)
+    out_per_item = 4.0
+
+    onnx_bytes = _export_onnx(split.dense, large_args, split.dense_inputs, [SCORES])
+
+    host_info = DeviceInfo(id="host", spec=host)
+    card_infos = [DeviceInfo(id=f"card{i}", spec=spec) for i, spec in enumerate(cards)]
+    placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
+    costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
+    boundary_per_item = sum(large_b[n].numel() * large_b[n].element_size() for n in split.boundary) / 64
+    io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
+    estimates = _estimate([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
+
+    with torch.inference_mode():
+        scores = split.dense(*large_args)[0]
+    inputs = [_tensor_info(n, large[n]) for n in (DENSE, LENGTHS, INDICES)]
+    host_part = PartitionInfo(
+        name=HOST_PARTITION, kind="sparse", format="torch-fx",
+        inputs=[i for i in inputs if i.name in split.host_inputs],
+        outputs=[_tensor_info(n, large_b[n]) for n in split.boundary],
+        nodes=split.host_nodes, param_bytes=host_cost.param_bytes, flops_per_item=0.0,
+        bytes_per_item=host_cost.bytes_per_item)
+    dense_part = PartitionInfo(
+        name=DENSE_PARTITION, kind="dense", format="onnx",
+        inputs=[_tensor_info(n, dict(zip(split.dense_inputs, large_args))[n]) for n in split.dense_inputs],
+        outputs=[_tensor_info(SCORES, scores)], nodes=split.dense_nodes,
+        param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
+        bytes_per_item=dense_cost.bytes_per_item)
+    plan = PartitionPlan(
+        model=name, strategy=strategy, inputs=inputs, outputs=[_tensor_info(SCORES, scores)],
+        partitions=[host_part, dense_part], devices=[host_info, *card_infos], placements=placements,
+        estimates=estimates, tables=dict(tables or {}))
+    plan.tables.setdefault("boundary_bytes_per_item", boundary_per_item)
+
+    artifacts = {
+        HOST_PARTITION: PartitionArtifact(
+            name=HOST_PARTITION, format="torch-fx", payload=split.host,
+            input_names=tuple(split.host_inputs), output_names=tuple(split.boundary),
+            param_bytes=host_cost.param_bytes, flops_per_item=0.0,
+            bytes_per_item=host_cost.bytes_per_item),
+        DENSE_PARTITION: PartitionArtifact(
+            name=DENSE_PARTITION, format="onnx", payload=onnx_bytes,
+            input_names=tuple(split.dense_inputs), output_names=(SCORES,),
+            param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
+            bytes_per_item=dense_cost.bytes_per_item),
+    }
+    return PartitionedModel(plan=plan, artifacts=artifacts, split=split)
+
+
+def builtin_example(config: models.ModelConfig, seed: int = 0) -> ExampleFn:
+    """Example requests for a zoo model, from its own traffic generator."""
+    def make(rows: int) -> dict[str, torch.Tensor]:
+        request = models.RequestGenerator.for_config(config, seed=seed + rows).make(rows)
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in request.items()}
+    return make
+
+
+def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, cards: int = 6,
+                      card_spec: str | DeviceSpec = "m2-card", host_spec: str | DeviceSpec = "host-cpu",
+                      batch_rows: int = 256) -> tuple[models.DLRM, PartitionedModel]:
+    """Build a zoo model and partition it onto ``cards`` identical cards plus the host."""
+    card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
+    host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
+    model = models.build(name, max_rows=max_rows, seed=seed)
+    config = model.config
+    tables = {"rows": list(config.table_rows), "dim": config.embedding_dim,
+              "pooling": list(config.pooling), "zipf": config.zipf}
+    partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
+                                  host=host, tables=tables, batch_rows=batch_rows)
+    return model, partitioned

@@ -1,0 +1,148 @@
+"""PartitionPlan: what runs where, as plain data that round-trips through JSON.
+
+The plan never holds a device handle or a tensor: it can be written, read,
+diffed and explained without loading anything (Glow's partitioner -> DAG
+split, StyLE.md lesson 2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from backends.spec import DeviceSpec
+
+__all__ = ["TensorInfo", "PartitionInfo", "DeviceInfo", "Placement", "DeviceEstimate",
+           "Estimates", "PartitionPlan", "PLAN_FORMAT_VERSION"]
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    datatype: str
+    """KServe v2 datatype (FP32, INT32, INT64)."""
+    shape: list[int]
+    """-1 for a dimension that varies per request."""
+
+
+@dataclass
+class PartitionInfo:
+    name: str
+    kind: str
+    """"sparse" (embedding lookups, host) or "dense" (MLPs and interaction, cards)."""
+    format: str
+    """Artifact format: "torch-fx" (host stage) or "onnx"."""
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    nodes: list[str]
+    """Names of the graph nodes in this partition (for explanation and checks)."""
+    param_bytes: int
+    flops_per_item: float
+    bytes_per_item: float
+    artifact: str | None = None
+    """File of the artifact relative to the plan, when written to disk."""
+
+
+@dataclass
+class DeviceInfo:
+    id: str
+    """"host" or "card0".."cardN-1"."""
+    spec: DeviceSpec
+
+
+@dataclass
+class Placement:
+    partition: str
+    device: str
+    replica: int = 0
+
+
+@dataclass
+class DeviceEstimate:
+    device: str
+    partitions: list[str]
+    memory_bytes: int
+    memory_capacity: int
+    batch_seconds: float
+    """Modelled time for one batch of ``Estimates.batch_rows`` rows on this device."""
+    utilisation: float
+    """Share of time busy at the plan's throughput bound."""
+
+
+@dataclass
+class Estimates:
+    batch_rows: int
+    per_device: list[DeviceEstimate]
+    bottleneck: str
+    throughput_items_per_s: float
+    latency_ms: float
+    """Unloaded latency of one batch: host stage + transfers + card stage."""
+
+
+@dataclass
+class PartitionPlan:
+    model: str
+    strategy: str
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    partitions: list[PartitionInfo]
+    devices: list[DeviceInfo]
+    placements: list[Placement]
+    estimates: Estimates
+    tables: dict[str, Any] = field(default_factory=dict)
+    """Per-table facts the server needs: {"rows": [...], "dim": D, "pooling": [...]}."""
+    format_version: int = PLAN_FORMAT_VERSION
+
+    def partition(self, name: str) -> PartitionInfo:
+        for p in self.partitions:
+            if p.name == name:
+                return p
+        raise KeyError(f"plan has no partition {name!r}; it has {[p.name for p in self.partitions]}")
+
+    def device(self, device_id: str) -> DeviceInfo:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise KeyError(f"plan has no device {device_id!r}")
+
+    def devices_of(self, partition: str) -> list[str]:
+        return [p.device for p in self.placements if p.partition == partition]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PartitionPlan":
+        version = data.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format_version {version!r}; this sixfold reads {PLAN_FORMAT_VERSION}")
+        tensors = lambda items: [TensorInfo(**t) for t in items]  # noqa: E731
+        est = data["estimates"]
+        return cls(
+            model=data["model"], strategy=data["strategy"],
+            inputs=tensors(data["inputs"]), outputs=tensors(data["outputs"]),
+            partitions=[PartitionInfo(**{**p, "inputs": tensors(p["inputs"]),
+                                         "outputs": tensors(p["outputs"])}) for p in data["partitions"]],
+            devices=[DeviceInfo(id=d["id"], spec=DeviceSpec.from_dict(d["spec"])) for d in data["devices"]],
+            placements=[Placement(**p) for p in data["placements"]],
+            estimates=Estimates(**{**est, "per_device": [DeviceEstimate(**d) for d in est["per_device"]]}),
+            tables=data.get("tables", {}), format_version=version,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "PartitionPlan":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PartitionPlan":
+        return cls.from_json(Path(path).read_text())
