@@ -1,0 +1,110 @@
+"""The gRPC server process: KServe v2 servicer + grpc.health.v1 + metrics, with graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from tritonclient.grpc import service_pb2_grpc
+
+from .core import InferenceCore
+from .metrics import ServerMetrics
+from .servicer import InferenceServicer
+
+__all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
+
+log = logging.getLogger(__name__)
+_SERVICE = "inference.GRPCInferenceService"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network settings; defaults follow Triton (gRPC 8001, metrics 8002) but bind loopback."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = 8001
+    """0 picks a free port (``SixfoldServer.port`` tells which)."""
+    metrics_port: int | None = 8002
+    """None disables the metrics endpoint."""
+    max_message_bytes: int = 1 << 30
+    """Largest request or response; a 1000-item rm2 query is ~30 MB of ids."""
+    grace_seconds: float = 10.0
+    """On shutdown, how long in-flight RPCs may take to finish before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
+        if self.max_message_bytes < 1 << 20:
+            raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+
+
+class SixfoldServer:
+    def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.core, self.config, self.metrics = core, config, metrics
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = HealthServicer()
+
+    async def start(self) -> int:
+        options = [("grpc.max_send_message_length", self.config.max_message_bytes),
+                   ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+        server = self._server = grpc.aio.server(options=options)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        for name in ("", _SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
+        return self.port
+
+    async def stop(self) -> None:
+        """Refuse new requests (UNAVAILABLE), answer queued and running ones, then close."""
+        await self._health.enter_graceful_shutdown()
+        try:
+            await asyncio.wait_for(self.core.shutdown(), self.config.grace_seconds)
+        except asyncio.TimeoutError:
+            log.warning("requests still running after %.1fs grace; cancelling", self.config.grace_seconds)
+        if self._server is not None:
+            await self._server.stop(self.config.grace_seconds)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+class BackgroundServer:
+    """A SixfoldServer on its own event loop in a daemon thread (tests, benchmarks, notebooks)."""
+
+    def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.server = SixfoldServer(core, config, metrics)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sixfold-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"{self.server.config.host}:{self.server.port}"
+
+    def start(self) -> "BackgroundServer":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,94 @@
+"""sixfold-serve: serve a recommendation model on host + N cards over KServe v2 gRPC until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from rich.console import Console
+
+import models
+
+from .app import ServerConfig, SixfoldServer
+from .batcher import BatchingConfig
+from .core import InferenceCore
+from .metrics import ServerMetrics
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sixfold-serve", description=__doc__)
+    p.add_argument("--model", help=f"built-in model to serve: {', '.join(models.names())}")
+    p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    p.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
+    p.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
+    p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
+    p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
+    p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
+    p.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+async def _serve(args: argparse.Namespace, console: Console) -> int:
+    from .loader import load_builtin
+
+    metrics = ServerMetrics()
+    batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
+                              max_queue_delay_microseconds=args.max_queue_delay_us)
+    with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
+        served = await asyncio.to_thread(
+            load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
+            backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching)
+    config = ServerConfig(host=args.host, grpc_port=args.grpc_port,
+                          metrics_port=None if args.metrics_port < 0 else args.metrics_port)
+    server = SixfoldServer(InferenceCore([served]), config, metrics)
+    port = await server.start()
+    metrics_at = f"http://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
+    console.print(f"sixfold-serve: serving {served.name} (version {served.version}) on "
+                  f"{args.host}:{port} with {len(served.runtime.cards)} {args.backend} cards; metrics {metrics_at}")
+    console.print(f"READY grpc={args.host}:{port}", highlight=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    console.print("sixfold-serve: shutting down (answering queued requests)...")
+    await server.stop()
+    console.print("sixfold-serve: stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = Console(stderr=False, highlight=False)
+    if args.list_backends:
+        from backends.registry import describe
+        console.print(describe())
+        return 0
+    if not args.model:
+        console.print("sixfold-serve: --model is required (or --list-backends)")
+        return 2
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
+        run = asyncio.run
+    try:
+        return run(_serve(args, console))
+    except (KeyError, ValueError, MemoryError, FileNotFoundError, OSError) as exc:
+        console.print(f"sixfold-serve: {exc.args[0] if exc.args else exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""KServe v2 tensors <-> numpy: decode a ModelInferRequest, encode a ModelInferResponse.
+
+Raw bytes are viewed, not copied (``np.frombuffer``). Every mismatch becomes an
+InvalidInput that names the input and quotes the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from .errors import InvalidInput
+
+__all__ = ["DTYPES", "decode_inputs", "requested_outputs", "encode_response", "datatype_of"]
+
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64), "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16), "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+# Which typed-contents field carries each datatype (KServe v2 protocol).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+    "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+def datatype_of(array: np.ndarray) -> str:
+    try:
+        return _NAMES[array.dtype]
+    except KeyError:
+        raise InvalidInput(f"unsupported output dtype {array.dtype}") from None
+
+
+def _shape(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"input '{tensor.name}': shape {list(shape)} has a negative dimension")
+    return shape
+
+
+def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
+    """The request's input tensors by name, from raw_input_contents or typed contents."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+                           "they must match one to one")
+    arrays: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        name = tensor.name
+        if name in arrays:
+            raise InvalidInput(f"input '{name}' appears twice")
+        dtype = DTYPES.get(tensor.datatype)
+        if dtype is None:
+            raise InvalidInput(f"input '{name}': unsupported datatype '{tensor.datatype}'; "
+                               f"supported: {', '.join(DTYPES)}")
+        shape = _shape(tensor)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if raw:
+            data = raw[i]
+            expected = count * dtype.itemsize
+            if len(data) != expected:
+                raise InvalidInput(f"input '{name}': raw contents have {len(data)} bytes but shape "
+                                   f"{list(shape)} of {tensor.datatype} needs {expected}")
+            array = np.frombuffer(data, dtype=dtype).reshape(shape)
+        else:
+            field = _CONTENTS_FIELD.get(tensor.datatype)
+            values = getattr(tensor.contents, field) if field else ()
+            if len(values) != count:
+                raise InvalidInput(f"input '{name}': {len(values)} values in contents.{field or '?'} but "
+                                   f"shape {list(shape)} needs {count}")
+            array = np.asarray(values, dtype=dtype).reshape(shape)
+        arrays[name] = array
+    return arrays
+
+
+def requested_outputs(request: service_pb2.ModelInferRequest) -> list[str]:
+    return [o.name for o in request.outputs]
+
+
+def encode_response(model: str, version: str, request_id: str,
+                    outputs: Mapping[str, np.ndarray]) -> service_pb2.ModelInferResponse:
+    """Outputs as raw_output_contents (what tritonclient and perf_analyzer read)."""
+    response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    for name, array in outputs.items():
+        out = response.outputs.add()
+        out.name = name
+        out.datatype = datatype_of(array)
+        out.shape.extend(array.shape)
+        response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+    return response

@@ -1,0 +1,56 @@
+"""Turn a model name into a ServedModel: partition it, load its partitions on backends."""
+
+from __future__ import annotations
+
+import logging
+
+from backends import registry
+from backends.spec import DeviceSpec
+from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, PartitionedModel, partition_builtin
+
+from .batcher import BatchingConfig, DynamicBatcher
+from .metrics import ServerMetrics
+from .model import ServedModel
+from .runtime import PlanRuntime
+
+__all__ = ["load_partitioned", "load_builtin"]
+
+log = logging.getLogger(__name__)
+
+
+def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: ServerMetrics,
+                     batching: BatchingConfig, version: str = "1",
+                     backend_options: dict | None = None) -> ServedModel:
+    """Load the host stage on the torch backend and a dense replica on every placed card."""
+    plan = partitioned.plan
+    host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
+    host = registry.get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], host_device)
+    card_backend = registry.get_backend(backend, **(backend_options or {}))
+    dense = partitioned.artifacts[DENSE_PARTITION]
+    cards = []
+    for device_id in plan.devices_of(DENSE_PARTITION):
+        spec: DeviceSpec = plan.device(device_id).spec
+        if not card_backend.supports(dense):
+            raise ValueError(f"backend {backend!r} does not take {dense.format} partitions")
+        cards.append(card_backend.load(dense, spec))
+    runtime = PlanRuntime(host, cards)
+    inflight = batching.max_inflight_batches or len(cards) + 1
+    served = ServedModel(name=plan.model, version=version, plan=plan, runtime=runtime,
+                         batcher=None, metrics=metrics)  # type: ignore[arg-type]
+    served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight)
+    tables = plan.tables
+    if tables.get("rows"):
+        served.parameters["sixfold.table_rows"] = ",".join(str(r) for r in tables["rows"])
+    if tables.get("pooling"):
+        served.parameters["sixfold.pooling"] = ",".join(str(p) for p in tables["pooling"])
+    if tables.get("zipf"):
+        served.parameters["sixfold.zipf"] = str(tables["zipf"])
+    served.parameters["sixfold.cards"] = str(len(cards))
+    served.parameters["sixfold.backend"] = backend
+    return served
+
+
+def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
+                 card_spec: str, metrics: ServerMetrics, batching: BatchingConfig) -> ServedModel:
+    _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec)
+    return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching)

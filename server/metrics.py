@@ -1,0 +1,30 @@
+"""Prometheus metrics (one registry per server, so tests can run several servers in a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_ROW_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.success = Counter("sixfold_inference_request_success", "Successful inference requests", ["model"], registry=r)
+        self.failure = Counter("sixfold_inference_request_failure", "Failed inference requests", ["model", "reason"], registry=r)
+        self.items = Counter("sixfold_inference_count", "Items (batch rows) inferred", ["model"], registry=r)
+        self.executions = Counter("sixfold_inference_exec_count", "Batches executed", ["model"], registry=r)
+        self.request_seconds = Histogram("sixfold_request_duration_seconds", "End-to-end request time in the server", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("sixfold_queue_duration_seconds", "Time a request waited in the batch queue", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.host_seconds = Histogram("sixfold_host_stage_duration_seconds", "Host (sparse) stage time per batch", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.card_seconds = Histogram("sixfold_card_stage_duration_seconds", "Card (dense) stage time per batch, transfers included", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_rows = Histogram("sixfold_batch_rows", "Rows (items) per executed batch", ["model"], buckets=_ROW_BUCKETS, registry=r)
+        self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
+        self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
+
+    def serve(self, host: str, port: int) -> None:
+        """Expose /metrics over HTTP on ``host:port``."""
+        start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,87 @@
+"""A served model: its plan, signature, tables, runtime, batcher and statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partitioner.plan import PartitionPlan
+
+from .batcher import BatchInfo, DynamicBatcher
+from .errors import InvalidInput
+from .metrics import ServerMetrics
+from .runtime import PlanRuntime
+from .stats import ModelStats
+from .validation import InputSpec, validate_request
+
+__all__ = ["ServedModel"]
+
+
+@dataclass
+class ServedModel:
+    name: str
+    version: str
+    plan: PartitionPlan
+    runtime: PlanRuntime
+    batcher: DynamicBatcher
+    metrics: ServerMetrics
+    stats: ModelStats = field(default_factory=ModelStats)
+    parameters: dict[str, str] = field(default_factory=dict)
+    """Extra facts published in ModelConfig.parameters (table rows, pooling) for load generators."""
+
+    @property
+    def input_specs(self) -> list[InputSpec]:
+        return [InputSpec(t.name, t.datatype, t.shape) for t in self.plan.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.plan.outputs]
+
+    @property
+    def table_rows(self) -> list[int] | None:
+        return self.plan.tables.get("rows")
+
+    async def run_batch(self, inputs: dict[str, np.ndarray], info: BatchInfo) -> dict[str, np.ndarray]:
+        """What the batcher calls: one batch through the plan, with per-stage metrics."""
+        outputs = await self.runtime.run(inputs, info)
+        self.stats.record_batch()
+        m, name = self.metrics, self.name
+        m.executions.labels(name).inc()
+        m.batch_rows.labels(name).observe(info.rows)
+        m.host_seconds.labels(name).observe(info.timings.get("host_s", 0.0))
+        m.card_seconds.labels(name).observe(info.timings.get("card_s", 0.0))
+        return outputs
+
+    async def infer(self, inputs: dict[str, np.ndarray], requested: list[str]) -> dict[str, np.ndarray]:
+        """Validate, queue for batching, and return the requested outputs of this request."""
+        t0 = time.perf_counter()
+        try:
+            rows = validate_request(inputs, self.input_specs, self.table_rows)
+            unknown = sorted(set(requested) - set(self.output_names))
+            if unknown:
+                raise InvalidInput(f"unknown output(s) {unknown}; the model has {self.output_names}")
+            if rows == 0:
+                outputs = {t.name: np.zeros((0, *t.shape[1:]), dtype=np.float32) for t in self.plan.outputs}
+                info = BatchInfo()
+            else:
+                outputs, info = await self.batcher.submit(inputs, rows)
+        except Exception as exc:
+            self.stats.record_failure(time.perf_counter() - t0)
+            self.metrics.failure.labels(self.name, getattr(exc, "reason", "internal")).inc()
+            raise
+        total = time.perf_counter() - t0
+        host = info.timings.get("host_s", 0.0)
+        card = info.timings.get("card_s", 0.0)
+        self.stats.record_success(total, info.queue_s, host, card, max(0.0, total - info.queue_s - host - card), rows)
+        self.metrics.success.labels(self.name).inc()
+        self.metrics.items.labels(self.name).inc(rows)
+        self.metrics.request_seconds.labels(self.name).observe(total)
+        self.metrics.queue_seconds.labels(self.name).observe(info.queue_s)
+        wanted = requested or self.output_names
+        return {n: outputs[n] for n in wanted}
+
+    def config_parameters(self) -> dict[str, Any]:
+        return dict(self.parameters)

@@ -1,0 +1,122 @@
+"""gRPC servicer for inference.GRPCInferenceService: protobuf <-> core types, nothing more.
+
+Errors become gRPC status codes in one decorator (MLServer's grpc/utils.py
+pattern); every other line converts or delegates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from . import __version__
+from .codec import decode_inputs, encode_response, requested_outputs
+from .core import InferenceCore
+from .errors import ServingError
+from .model import ServedModel
+
+__all__ = ["InferenceServicer"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_CONFIG_TYPES = {"FP32": model_config_pb2.TYPE_FP32, "FP16": model_config_pb2.TYPE_FP16,
+                 "INT32": model_config_pb2.TYPE_INT32, "INT64": model_config_pb2.TYPE_INT64}
+
+
+def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except ServingError as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - last resort: the client still gets an answer
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")  # abort always raises
+    return wrapper
+
+
+def _tensor_metadata(tensors: list) -> list[service_pb2.ModelMetadataResponse.TensorMetadata]:
+    return [service_pb2.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
+            for t in tensors]
+
+
+def _model_config(model: ServedModel) -> model_config_pb2.ModelConfig:
+    config = model_config_pb2.ModelConfig(name=model.name, platform="sixfold", backend="sixfold",
+                                          max_batch_size=0)
+    for t in model.plan.inputs:
+        config.input.add(name=t.name, data_type=_CONFIG_TYPES[t.datatype], dims=t.shape)
+    for t in model.plan.outputs:
+        config.output.add(name=t.name, data_type=_CONFIG_TYPES[t.datatype], dims=t.shape)
+    for key, value in model.config_parameters().items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def _duration(d: Any) -> service_pb2.StatisticDuration:
+    return service_pb2.StatisticDuration(count=d.count, ns=d.ns)
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, core: InferenceCore) -> None:
+        self.core = core
+
+    @_grpc_errors
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_grpc_errors
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=self.core.ready)
+
+    @_grpc_errors
+    async def ServerMetadata(self, request, context):
+        return service_pb2.ServerMetadataResponse(name="sixfold", version=__version__,
+                                                  extensions=["model_configuration", "statistics"])
+
+    @_grpc_errors
+    async def ModelReady(self, request, context):
+        try:
+            self.core.model(request.name, request.version)
+        except ServingError:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=self.core.accepting)
+
+    @_grpc_errors
+    async def ModelMetadata(self, request, context):
+        model = self.core.model(request.name, request.version)
+        return service_pb2.ModelMetadataResponse(
+            name=model.name, versions=[model.version], platform="sixfold",
+            inputs=_tensor_metadata(model.plan.inputs), outputs=_tensor_metadata(model.plan.outputs))
+
+    @_grpc_errors
+    async def ModelConfig(self, request, context):
+        return service_pb2.ModelConfigResponse(config=_model_config(self.core.model(request.name, request.version)))
+
+    @_grpc_errors
+    async def ModelStatistics(self, request, context):
+        models = [self.core.model(request.name, request.version)] if request.name else list(self.core.models.values())
+        response = service_pb2.ModelStatisticsResponse()
+        for model in models:
+            s = model.stats
+            response.model_stats.add(
+                name=model.name, version=model.version, last_inference=s.last_inference_ms,
+                inference_count=s.inference_count, execution_count=s.execution_count,
+                inference_stats=service_pb2.InferStatistics(
+                    success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
+                    compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
+                    compute_output=_duration(s.compute_output)))
+        return response
+
+    @_grpc_errors
+    async def ModelInfer(self, request, context):
+        inputs = decode_inputs(request)
+        model, outputs = await self.core.infer(request.model_name, request.model_version, inputs,
+                                               requested_outputs(request))
+        return encode_response(model.name, model.version, request.id, outputs)

@@ -1,0 +1,55 @@
+"""Per-model inference statistics in Triton's shape (ModelStatistics needs real counts)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Duration", "ModelStats"]
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass
+class ModelStats:
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    """Items (rows) inferred."""
+    execution_count: int = 0
+    """Batches executed."""
+    last_inference_ms: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_success(self, total_s: float, queue_s: float, input_s: float, infer_s: float,
+                       output_s: float, rows: int) -> None:
+        with self._lock:
+            self.success.add(total_s)
+            self.queue.add(queue_s)
+            self.compute_input.add(input_s)
+            self.compute_infer.add(infer_s)
+            self.compute_output.add(output_s)
+            self.inference_count += rows
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_failure(self, total_s: float) -> None:
+        with self._lock:
+            self.fail.add(total_s)
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_batch(self) -> None:
+        with self._lock:
+            self.execution_count += 1

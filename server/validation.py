@@ -1,0 +1,77 @@
+"""Check a decoded request against a model's signature and tables before it is queued.
+
+Bad input must never reach a batch (it would fail every request merged with
+it), so everything a lookup could trip on is checked here: names, dtypes,
+shapes, batch sizes, lengths against ids, and each id against its table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from models.signature import DENSE, INDICES, LENGTHS
+
+from .codec import DTYPES
+from .errors import InvalidInput
+
+__all__ = ["InputSpec", "validate_request"]
+
+
+class InputSpec:
+    """One input of a model's signature: name, datatype and shape (-1 = any)."""
+
+    def __init__(self, name: str, datatype: str, shape: Sequence[int]) -> None:
+        self.name, self.datatype, self.shape = name, datatype, tuple(shape)
+
+
+def _check_shape(spec: InputSpec, array: np.ndarray) -> None:
+    if array.ndim != len(spec.shape) or any(w != -1 and w != d for w, d in zip(spec.shape, array.shape)):
+        want = [("N" if d == -1 else d) for d in spec.shape]
+        raise InvalidInput(f"input '{spec.name}': shape {list(array.shape)} does not match {want}")
+
+
+def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
+                     table_rows: Sequence[int] | None) -> int:
+    """Validate in place; returns the number of items (rows) in the request."""
+    known = {s.name for s in specs}
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise InvalidInput(f"unknown input(s) {unknown}; the model takes {sorted(known)}")
+    for spec in specs:
+        if spec.name not in inputs:
+            raise InvalidInput(f"missing input '{spec.name}' ({spec.datatype} {list(spec.shape)})")
+        array = inputs[spec.name]
+        if array.dtype != DTYPES[spec.datatype]:
+            raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {spec.datatype}")
+        _check_shape(spec, array)
+
+    dense, lengths, ids = inputs[DENSE], inputs[LENGTHS], inputs[INDICES]
+    rows = dense.shape[0]
+    if lengths.shape[0] != rows:
+        raise InvalidInput(f"batch sizes disagree: '{DENSE}' has {rows} rows, '{LENGTHS}' has {lengths.shape[0]}")
+    if lengths.size and lengths.min() < 0:
+        bad = np.argwhere(lengths < 0)[0]
+        raise InvalidInput(f"input '{LENGTHS}': negative length {int(lengths[tuple(bad)])} at {bad.tolist()}")
+    total = int(lengths.sum(dtype=np.int64))
+    if total != ids.shape[0]:
+        raise InvalidInput(f"input '{LENGTHS}' sums to {total} ids but '{INDICES}' has {ids.shape[0]}")
+    if table_rows is not None and ids.size:
+        limits = np.asarray(table_rows, dtype=np.int64)
+        if lengths.shape[1] != len(limits):
+            raise InvalidInput(f"input '{LENGTHS}' has {lengths.shape[1]} tables; the model has {len(limits)}")
+        table = np.repeat(np.tile(np.arange(len(limits)), rows), lengths.reshape(-1))
+        bad = (ids < 0) | (ids >= limits[table])
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise InvalidInput(f"input '{INDICES}': id {int(ids[k])} at position {k} is out of range for "
+                               f"table {int(table[k])} (rows 0..{int(limits[table[k]]) - 1})")
+    return rows
+
+
+def _name(array: np.ndarray) -> str:
+    for name, dtype in DTYPES.items():
+        if dtype == array.dtype:
+            return name
+    return str(array.dtype)
