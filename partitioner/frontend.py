@@ -13,10 +13,13 @@ CANONICAL_INPUTS = (DENSE, LENGTHS, INDICES)
 
 
 def export_model(model: torch.nn.Module, example: tuple[torch.Tensor, ...]) -> torch.export.ExportedProgram:
-    """Export a model taking the canonical request, with the batch and id dims dynamic."""
-    batch = torch.export.Dim("batch", min=1)
-    ids = torch.export.Dim("ids", min=0)
-    dynamic = {DENSE: {0: batch}, LENGTHS: {0: batch}, INDICES: {0: ids}}
+    """Export a model taking the canonical request, with the batch and id dims dynamic.
+
+    ``Dim.AUTO`` lets export discover how the dims relate (for one-hot models the
+    id count is batch x tables) instead of failing on a guessed constraint.
+    """
+    auto = torch.export.Dim.AUTO
+    dynamic = {DENSE: {0: auto}, LENGTHS: {0: auto}, INDICES: {0: auto}}
     with torch.inference_mode(False), torch.no_grad():
         return torch.export.export(model, example, dynamic_shapes=dynamic, strict=False)
 
