@@ -1,0 +1,104 @@
+"""The dynamic batcher: rows-bounded merging, the queue delay, failure and shutdown hygiene."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from server.batcher import BatchingConfig, BatchInfo, DynamicBatcher
+from server.errors import InternalError, Unavailable
+
+
+def _request(rows: int, value: float) -> dict[str, np.ndarray]:
+    return {"x": np.full((rows, 2), value, dtype=np.float32)}
+
+
+class Recorder:
+    """A real async 'model' that doubles its input and remembers every batch it saw."""
+
+    def __init__(self, delay: float = 0.0, fail: bool = False, drop_row: bool = False) -> None:
+        self.batches: list[int] = []
+        self.delay, self.fail, self.drop_row = delay, fail, drop_row
+
+    async def __call__(self, inputs: dict[str, np.ndarray], info: BatchInfo) -> dict[str, np.ndarray]:
+        self.batches.append(inputs["x"].shape[0])
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("card on fire")
+        y = inputs["x"] * 2
+        return {"y": y[:-1] if self.drop_row else y}
+
+
+async def test_requests_merge_into_one_batch_and_each_gets_its_own_rows() -> None:
+    model = Recorder()
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=50_000), max_inflight=2)
+    results = await asyncio.gather(*(batcher.submit(_request(r, r), r) for r in (3, 5, 7)))
+    assert model.batches == [15]
+    for (outputs, info), rows in zip(results, (3, 5, 7)):
+        assert outputs["y"].shape == (rows, 2) and np.all(outputs["y"] == 2 * rows)
+        assert info.rows == 15 and info.requests == 3
+    await batcher.close()
+
+
+async def test_batches_never_exceed_max_rows_and_keep_arrival_order() -> None:
+    model = Recorder()
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10, max_queue_delay_microseconds=20_000), max_inflight=1)
+    results = await asyncio.gather(*(batcher.submit(_request(4, i), 4) for i in range(5)))
+    assert model.batches == [8, 8, 4]
+    assert [float(o["y"][0, 0]) for o, _ in results] == [0, 2, 4, 6, 8]
+    await batcher.close()
+
+
+async def test_a_query_larger_than_a_batch_runs_alone() -> None:
+    model = Recorder()
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10), max_inflight=1)
+    (out, info), = await asyncio.gather(batcher.submit(_request(25, 1), 25))
+    assert model.batches == [25] and out["y"].shape == (25, 2)
+    await batcher.close()
+
+
+async def test_zero_delay_does_not_wait_for_company() -> None:
+    model = Recorder()
+    batcher = DynamicBatcher(model, BatchingConfig(max_queue_delay_microseconds=0), max_inflight=1)
+    await batcher.submit(_request(1, 1), 1)
+    await batcher.submit(_request(1, 1), 1)
+    assert model.batches == [1, 1]
+    await batcher.close()
+
+
+async def test_a_failed_batch_fails_every_request_in_it() -> None:
+    batcher = DynamicBatcher(Recorder(fail=True), BatchingConfig(max_queue_delay_microseconds=20_000), max_inflight=1)
+    results = await asyncio.gather(*(batcher.submit(_request(2, 1), 2) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, InternalError) and "card on fire" in str(r) for r in results)
+    # ...and the batcher keeps serving afterwards.
+    batcher._run_batch = Recorder()
+    out, _ = await batcher.submit(_request(2, 3), 2)
+    assert np.all(out["y"] == 6)
+    await batcher.close()
+
+
+async def test_a_model_that_loses_rows_is_caught() -> None:
+    batcher = DynamicBatcher(Recorder(drop_row=True), BatchingConfig(), max_inflight=1)
+    with pytest.raises(InternalError, match="did not preserve batch size"):
+        await batcher.submit(_request(3, 1), 3)
+    await batcher.close()
+
+
+async def test_close_answers_queued_requests_then_refuses_new_ones() -> None:
+    model = Recorder(delay=0.02)
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=2, max_queue_delay_microseconds=0), max_inflight=1)
+    pending = [asyncio.ensure_future(batcher.submit(_request(2, i), 2)) for i in range(4)]
+    await asyncio.sleep(0.005)
+    await batcher.close(drain=True)
+    assert all(p.done() and not p.exception() for p in pending)
+    with pytest.raises(Unavailable):
+        await batcher.submit(_request(1, 1), 1)
+
+
+def test_config_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_batch_rows"):
+        BatchingConfig(max_batch_rows=0)
+    with pytest.raises(ValueError, match="max_queue_delay"):
+        BatchingConfig(max_queue_delay_microseconds=-1)
