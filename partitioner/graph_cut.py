@@ -103,8 +103,7 @@ def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
         if node.op == "placeholder":
             host_inputs.append(node.name)
         env[node] = host_graph.node_copy(node, lambda n: env[n])
-        if node.op != "placeholder" and any(
-                labels.get(u) == DENSE for u in node.users if u.op != "output"):
+        if node.op != "placeholder" and any(labels.get(u) == DENSE for u in node.users):
             boundary_nodes.append(node)
     boundary = [_boundary_name(n) for n in boundary_nodes]
     host_graph.output(tuple(env[n] for n in boundary_nodes))
@@ -114,7 +113,9 @@ def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
     denv: dict[fx.Node, fx.Node] = {}
     dense_inputs: list[str] = []
     for node in nodes:
-        if labels[node] == DENSE and node.op == "placeholder":
+        # A model input may feed both sides (the host often reads only its size).
+        if node.op == "placeholder" and (labels[node] == DENSE or any(
+                labels.get(u) == DENSE and not _is_skippable(u) for u in node.users)):
             denv[node] = dense_graph.node_copy(node, lambda n: denv[n])
             dense_inputs.append(node.name)
     for node, name in zip(boundary_nodes, boundary):
