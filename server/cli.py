@@ -48,6 +48,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         served = await asyncio.to_thread(
             load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
             backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching)
+    from partitioner.explain import print_plan
+    print_plan(served.plan, console)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port)
     server = SixfoldServer(InferenceCore([served]), config, metrics)

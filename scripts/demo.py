@@ -1,0 +1,97 @@
+"""make demo: partition a model onto 6 simulated cards + host, serve it, replay traffic, report.
+
+Starts `sixfold-serve` on a free loopback port, drives it open-loop with
+`sixfold-loadgen` (Poisson arrivals, MLPerf query sizes, power-law ids), prints
+the latency/throughput report, and always shuts the server down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    cmd = [str(BIN / "sixfold-serve"), "--model", args.model, "--max-rows", str(args.max_rows),
+           "--cards", str(args.cards), "--grpc-port", "0", "--metrics-port", str(args.metrics_port),
+           "--log-level", "WARNING"]
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "110"}
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # echo the server's output; catch its READY line
+        assert server.stdout is not None
+        for line in server.stdout:
+            if line.startswith("READY grpc="):
+                url.append(line.split("=", 1)[1].strip())
+                ready.set()
+            else:
+                print(f"  [server] {line}", end="", flush=True)
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(args.start_timeout) or not url:
+        server.kill()
+        raise SystemExit(f"demo: the server did not become ready within {args.start_timeout:.0f}s")
+    return server, url[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="rm2")
+    p.add_argument("--max-rows", type=int, default=50_000)
+    p.add_argument("--cards", type=int, default=6)
+    p.add_argument("--qps", type=float, default=6.0)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--query-size", default="mlperf")
+    p.add_argument("--metrics-port", type=int, default=-1)
+    p.add_argument("--start-timeout", type=float, default=240.0)
+    p.add_argument("--out", default="runs/demo")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    server, url = _start_server(args)
+    try:
+        print(f"\nserver ready at {url} after {time.monotonic() - started:.0f}s; replaying "
+              f"{args.duration:.0f}s of Poisson traffic at {args.qps} queries/s ({args.query_size} query sizes)\n",
+              flush=True)
+        report = out / "report.json"
+        cmd = [str(BIN / "sixfold-loadgen"), "--url", url, "--model", args.model, "--qps", str(args.qps),
+               "--duration", str(args.duration), "--arrival", "poisson", "--query-size", args.query_size,
+               "--report", str(report)]
+        print(f"$ {' '.join(cmd[1:])}", flush=True)
+        code = subprocess.call(cmd)
+        if code != 0:
+            print(f"demo: load generator exited with {code}")
+            return code
+        r = json.loads(report.read_text())
+        lat = r["latency_ms"]
+        print(f"\ndemo summary ({args.model}, {args.cards} simulated cards + host): "
+              f"p50 {lat['p50']:.1f} ms, p90 {lat['p90']:.1f} ms, p99 {lat['p99']:.1f} ms; "
+              f"{r['achieved_qps']:.2f} queries/s, {r.get('items_per_s', 0):,.0f} items/s; "
+              f"{r['requests']['ok']}/{r['requests']['sent']} ok, {r['requests']['errors']} errors. "
+              f"Report: {report}")
+        return 0 if r["requests"]["errors"] == 0 else 1
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        print(f"server stopped (exit {server.returncode}); demo took {time.monotonic() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""sixfold-serve as a user runs it: a real process, a real client, SIGTERM answers in-flight work."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as tc
+
+import models
+from tests.conftest import free_port, triton_inputs
+
+SERVE = Path(sys.executable).parent / "sixfold-serve"
+
+
+def _start(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    proc = subprocess.Popen([str(SERVE), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("READY grpc="):
+                url.append(line.split("=", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(180)
+    return proc, (url[0] if url else ""), lines
+
+
+def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
+    proc, url, lines = _start("--model", "rm1", "--max-rows", "500", "--cards", "2",
+                              "--grpc-port", "0", "--metrics-port", str(free_port()))
+    try:
+        assert url, "".join(lines)
+        gen = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=500), seed=1)
+        with tc.InferenceServerClient(url) as client:
+            request = gen.make(8)
+            assert client.infer("rm1", triton_inputs(tc, request)).as_numpy("scores").shape == (8, 1)
+            # Requests in flight when SIGTERM lands are still answered.
+            big = gen.make(1000)
+            results: list = []
+            threads = [threading.Thread(target=lambda: results.append(
+                client.infer("rm1", triton_inputs(tc, big)).as_numpy("scores"))) for _ in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(0.15)
+            proc.send_signal(signal.SIGTERM)
+            for t in threads:
+                t.join(30)
+        assert proc.wait(timeout=30) == 0
+        assert len(results) == 6 and all(r.shape == (1000, 1) and np.isfinite(r).all() for r in results)
+        output = "".join(lines)
+        assert "card1" in output and "bottleneck" in output  # the plan is explained at start
+        assert "stopped" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_reports_a_bad_model_cleanly() -> None:
+    result = subprocess.run([str(SERVE), "--model", "nope", "--grpc-port", "0", "--metrics-port", "-1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unknown model 'nope'" in result.stdout

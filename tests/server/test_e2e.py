@@ -1,0 +1,159 @@
+"""End to end over real loopback gRPC with the stock tritonclient: answers equal the unsplit model."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.grpc.aio as tca
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+import models
+from tests.conftest import triton_inputs
+
+from .conftest import MAX_ROWS
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return models.RequestGenerator.for_config(models.get_config("rm2", max_rows=MAX_ROWS), seed=11)
+
+
+@pytest.fixture
+def client(served_rm2):
+    with tc.InferenceServerClient(served_rm2.url) as c:
+        yield c
+
+
+@pytest.fixture
+def stub(served_rm2):
+    channel = grpc.insecure_channel(served_rm2.url, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                             ("grpc.max_send_message_length", 1 << 30)])
+    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+def test_health_metadata_and_config(client, served_rm2) -> None:
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("rm2")
+    assert not client.is_model_ready("nope")
+    assert client.get_server_metadata().name == "sixfold"
+    meta = client.get_model_metadata("rm2")
+    assert [(i.name, i.datatype, list(i.shape)) for i in meta.inputs] == [
+        ("dense_features", "FP32", [-1, 256]), ("sparse_lengths", "INT32", [-1, 32]), ("sparse_indices", "INT64", [-1])]
+    assert [(o.name, list(o.shape)) for o in meta.outputs] == [("scores", [-1, 1])]
+    config = client.get_model_config("rm2").config
+    assert config.max_batch_size == 0 and list(config.input[2].dims) == [-1]
+    assert config.parameters["sixfold.table_rows"].string_value == ",".join([str(MAX_ROWS)] * 32)
+    assert config.parameters["sixfold.pooling"].string_value.startswith("120,")
+
+
+def test_standard_grpc_health_service(served_rm2) -> None:
+    with grpc.insecure_channel(served_rm2.url) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("items", [1, 2, 37, 300, 1500])
+def test_sync_client_scores_equal_the_model(client, served_rm2, gen, items: int) -> None:
+    request = gen.make(items)
+    result = client.infer("rm2", triton_inputs(tc, request), outputs=[tc.InferRequestedOutput("scores")])
+    np.testing.assert_allclose(result.as_numpy("scores"), served_rm2.expected(request), atol=ATOL, rtol=0)
+
+
+async def test_concurrent_mixed_sizes_through_the_asyncio_client(served_rm2, gen) -> None:
+    sizes = [1, 700, 5, 200, 64, 3, 100, 450, 1, 20, 300, 9, 1000, 2, 150, 33]
+    requests = [gen.make(n) for n in sizes]
+    async with tca.InferenceServerClient(served_rm2.url) as client:
+        results = await asyncio.gather(*(client.infer("rm2", triton_inputs(tca, r)) for r in requests))
+    for request, result in zip(requests, results):
+        np.testing.assert_allclose(result.as_numpy("scores"), served_rm2.expected(request), atol=ATOL, rtol=0)
+
+
+def _typed_request(request: dict[str, np.ndarray]) -> service_pb2.ModelInferRequest:
+    message = service_pb2.ModelInferRequest(model_name="rm2")
+    for name, datatype, field in (("dense_features", "FP32", "fp32_contents"),
+                                  ("sparse_lengths", "INT32", "int_contents"),
+                                  ("sparse_indices", "INT64", "int64_contents")):
+        tensor = message.inputs.add(name=name, datatype=datatype, shape=request[name].shape)
+        getattr(tensor.contents, field).extend(request[name].ravel().tolist())
+    return message
+
+
+def test_typed_contents_are_served_too(stub, served_rm2, gen) -> None:
+    request = gen.make(6)
+    response = stub.ModelInfer(_typed_request(request))
+    scores = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(6, 1)
+    np.testing.assert_allclose(scores, served_rm2.expected(request), atol=ATOL, rtol=0)
+
+
+def test_an_empty_query_gets_an_empty_answer(client) -> None:
+    empty = {"dense_features": np.zeros((0, 256), np.float32), "sparse_lengths": np.zeros((0, 32), np.int32),
+             "sparse_indices": np.zeros((0,), np.int64)}
+    assert client.infer("rm2", triton_inputs(tc, empty)).as_numpy("scores").shape == (0, 1)
+
+
+def _expect_error(client, model: str, request: dict[str, np.ndarray], status: str, *fragments: str) -> None:
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, triton_inputs(tc, request))
+    assert info.value.status() == status, info.value
+    for fragment in fragments:
+        assert fragment in info.value.message()
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(client, served_rm2, gen) -> None:
+    good = gen.make(4)
+    bad_id = {**good, "sparse_indices": good["sparse_indices"].copy()}
+    bad_id["sparse_indices"][3] = MAX_ROWS
+    _expect_error(client, "rm2", bad_id, "StatusCode.INVALID_ARGUMENT", "sparse_indices", "out of range")
+    _expect_error(client, "nope", good, "StatusCode.NOT_FOUND", "unknown model 'nope'")
+    _expect_error(client, "rm2", {**good, "dense_features": good["dense_features"].astype(np.int32)},
+                  "StatusCode.INVALID_ARGUMENT", "dense_features", "datatype INT32")
+    _expect_error(client, "rm2", {**good, "sparse_indices": good["sparse_indices"][:-1]},
+                  "StatusCode.INVALID_ARGUMENT", "sparse_lengths", "sparse_indices")
+    result = client.infer("rm2", triton_inputs(tc, good))
+    np.testing.assert_allclose(result.as_numpy("scores"), served_rm2.expected(good), atol=ATOL, rtol=0)
+
+
+def test_raw_bytes_short_of_the_shape_over_the_wire(stub, gen) -> None:
+    request = gen.make(2)
+    message = service_pb2.ModelInferRequest(model_name="rm2")
+    for name, datatype in (("dense_features", "FP32"), ("sparse_lengths", "INT32"), ("sparse_indices", "INT64")):
+        message.inputs.add(name=name, datatype=datatype, shape=request[name].shape)
+        message.raw_input_contents.append(request[name].tobytes())
+    message.raw_input_contents[2] = message.raw_input_contents[2][:-8]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(message)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sparse_indices" in info.value.details()
+
+
+def test_nan_features_do_not_crash_the_server(client, gen) -> None:
+    request = gen.make(3)
+    request["dense_features"][1, :] = np.nan
+    scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
+    assert scores.shape == (3, 1) and np.isnan(scores[1, 0]) and np.isfinite(scores[[0, 2]]).all()
+
+
+def test_statistics_count_real_work(client, gen) -> None:
+    before = client.get_inference_statistics("rm2").model_stats[0]
+    client.infer("rm2", triton_inputs(tc, gen.make(10)))
+    after = client.get_inference_statistics("rm2").model_stats[0]
+    assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+    assert after.inference_count == before.inference_count + 10
+    assert after.execution_count >= before.execution_count + 1
+    assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+
+
+def test_prometheus_metrics_are_exposed(client, served_rm2, gen) -> None:
+    client.infer("rm2", triton_inputs(tc, gen.make(5)))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{served_rm2.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'sixfold_inference_request_success_total{model="rm2"}' in text
+    assert "sixfold_card_stage_duration_seconds_bucket" in text and "sixfold_batch_rows_bucket" in text
