@@ -1,0 +1,161 @@
+"""How one pre-generated query goes over the wire, and what counts as a failure.
+
+Two clients, both KServe v2 over gRPC:
+
+- ``raw`` (default): each pooled query is encoded once into a serialized
+  ``ModelInferRequest`` before the clock starts; a send is one gRPC call on an
+  already-open channel with no per-request encoding. A large recommendation
+  query (rm2, 270 items: ~8.6 MB of ids) costs ~5 ms of CPU to encode, so
+  encoding per send would make the generator itself the bottleneck.
+- ``tritonclient``: every send goes through
+  ``tritonclient.grpc.aio.InferenceServerClient.infer`` with pre-built
+  ``InferInput`` objects, exactly as a user of the stock client would.
+
+Either way a failed request raises ``RequestFailed`` with a short reason
+(the gRPC status name, lower case, or ``bad_output``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as tritonaio
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from models.signature import SCORES
+
+from .errors import LoadgenError
+
+__all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "make_transport",
+           "DATATYPES", "CHANNEL_OPTIONS", "make_client"]
+
+DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+    # NOTE: gRPC backs off up to 120 s between reconnects by default; while waiting for a
+    # server that is still starting we want to notice it within a second.
+    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class RequestFailed(Exception):
+    """One request got an error answer; ``reason`` is the label in ``errors_by_reason``."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+class Transport(Protocol):
+    """Encodes queries once (before the run) and sends them (during it)."""
+
+    def prepare(self, request: Mapping[str, np.ndarray]) -> Any:
+        """Encode one query; the result is what ``infer`` gets."""
+        ...
+
+    async def connect(self, timeout_s: float) -> None:
+        """Open the connection before the clock starts, so the first request does not pay for it."""
+        ...
+
+    async def infer(self, payload: Any, items: int) -> None:
+        """Send one query and check the answer; raise ``RequestFailed`` on any error."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _check_scores(shape: list[int] | tuple[int, ...], name: str, items: int) -> None:
+    if name != SCORES or list(shape) != [items, 1]:
+        raise RequestFailed("bad_output", f"expected {SCORES} [{items}, 1], got {name} {list(shape)}")
+
+
+class RawGrpcTransport:
+    """Pre-serialized ModelInferRequests on one grpc.aio channel (see module docstring)."""
+
+    def __init__(self, url: str, model: str, version: str = "") -> None:
+        self.url, self.model, self.version = url, model, version
+        self._channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
+        self._call = self._channel.unary_unary(
+            _MODEL_INFER, request_serializer=None,  # payloads are already bytes
+            response_deserializer=service_pb2.ModelInferResponse.FromString)
+
+    def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
+        message = service_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
+        for name, array in request.items():
+            message.inputs.add(name=name, datatype=DATATYPES[array.dtype], shape=list(array.shape))
+            message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        message.outputs.add(name=SCORES)
+        return message.SerializeToString()
+
+    async def connect(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            raise LoadgenError(f"cannot open a gRPC channel to {self.url} within {timeout_s:g} s") from None
+
+    async def infer(self, payload: bytes, items: int) -> None:
+        try:
+            response = await self._call(payload)
+        except grpc.aio.AioRpcError as exc:
+            raise RequestFailed(exc.code().name.lower(), exc.details() or "") from None
+        if len(response.outputs) != 1:
+            raise RequestFailed("bad_output", f"expected 1 output, got {len(response.outputs)}")
+        _check_scores(response.outputs[0].shape, response.outputs[0].name, items)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class TritonClientTransport:
+    """Every request through the stock ``InferenceServerClient.infer`` (see module docstring)."""
+
+    def __init__(self, client: tritonaio.InferenceServerClient, model: str, version: str = "") -> None:
+        self.client, self.model, self.version = client, model, version
+        self._outputs = [tritonaio.InferRequestedOutput(SCORES)]
+
+    def prepare(self, request: Mapping[str, np.ndarray]) -> list[tritonaio.InferInput]:
+        inputs = []
+        for name, array in request.items():
+            item = tritonaio.InferInput(name, list(array.shape), DATATYPES[array.dtype])
+            item.set_data_from_numpy(np.ascontiguousarray(array))
+            inputs.append(item)
+        return inputs
+
+    async def connect(self, timeout_s: float) -> None:
+        """The client's channel is already open: readiness and discovery went through it."""
+
+    async def infer(self, payload: list[tritonaio.InferInput], items: int) -> None:
+        try:
+            result = await self.client.infer(self.model, payload, model_version=self.version,
+                                             outputs=self._outputs)
+        except InferenceServerException as exc:
+            raise RequestFailed((exc.status() or "error").rsplit(".", 1)[-1].lower(), exc.message() or "") from None
+        response = result.get_response()
+        if len(response.outputs) != 1:
+            raise RequestFailed("bad_output", f"expected 1 output, got {len(response.outputs)}")
+        _check_scores(response.outputs[0].shape, response.outputs[0].name, items)
+
+    async def close(self) -> None:
+        """The client belongs to the caller, who closes it."""
+
+
+def make_client(url: str) -> tritonaio.InferenceServerClient:
+    """The control-plane client (readiness, metadata, config), with quick reconnects."""
+    return tritonaio.InferenceServerClient(url, channel_args=CHANNEL_OPTIONS)
+
+
+def make_transport(kind: str, url: str, client: tritonaio.InferenceServerClient, model: str,
+                   version: str = "") -> Transport:
+    """The transport named by ``LoadConfig.client``."""
+    if kind == "raw":
+        return RawGrpcTransport(url, model, version)
+    if kind == "tritonclient":
+        return TritonClientTransport(client, model, version)
+    raise ValueError(f"bad client {kind!r}: expected 'raw' or 'tritonclient'")
