@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .configs import CONFIGS, ModelConfig, get_config
-from .dlrm import DLRM
 from .requests import (FixedQuerySizes, MLPerfQuerySizes, QuerySizes, RequestGenerator,
                        parse_query_sizes)
 from .signature import DENSE, INDICES, LENGTHS, SCORES, Signature, TensorSpec, signature_for
@@ -17,6 +15,20 @@ __all__ = [
     "RequestGenerator", "QuerySizes", "FixedQuerySizes", "MLPerfQuerySizes", "parse_query_sizes",
     "Signature", "TensorSpec", "signature_for", "DENSE", "LENGTHS", "INDICES", "SCORES",
 ]
+
+
+if TYPE_CHECKING:
+    import torch
+
+    from .dlrm import DLRM
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: torch loads only when a model is built, so the load generator starts in a blink.
+    if name == "DLRM":
+        from .dlrm import DLRM
+        return DLRM
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
 
 
 def names() -> list[str]:
@@ -30,7 +42,7 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def build(name: str, *, max_rows: int | None = None, seed: int = 0) -> DLRM:
+def build(name: str, *, max_rows: int | None = None, seed: int = 0) -> "DLRM":
     """Build a built-in model with deterministic synthetic weights for ``seed``.
 
     Refuses, with the numbers, a model whose tables would not fit in this
@@ -43,12 +55,17 @@ def build(name: str, *, max_rows: int | None = None, seed: int = 0) -> DLRM:
         raise MemoryError(
             f"{name}: embedding tables need {need / 2**30:.1f} GiB but this machine has "
             f"{have / 2**30:.1f} GiB; pass max_rows (e.g. --max-rows 100000) to cap each table")
+    import torch
+
+    from .dlrm import DLRM
     torch.manual_seed(seed)
     model = DLRM(config, seed=seed)
     return model.eval()
 
 
-def example_inputs(config: ModelConfig, items: int = 4, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def example_inputs(config: ModelConfig, items: int = 4, seed: int = 0) -> tuple["torch.Tensor", ...]:
     """A small real request as torch tensors, in forward() argument order."""
+    import torch
+
     request = RequestGenerator.for_config(config, seed=seed).make(items)
     return tuple(torch.from_numpy(request[k]) for k in (DENSE, LENGTHS, INDICES))
