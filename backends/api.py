@@ -79,11 +79,15 @@ class Executable(ABC):
 
     async def infer(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         """Run one batch off the event loop, one at a time per executable (its own worker thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker(), self.run, inputs)
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This executable's one worker thread, started on first use (for subclasses overriding ``infer``)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"{self.device.name}-{self.artifact.name}")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.run, inputs)
+        return self._executor
 
     def memory_bytes(self) -> int:
         """Device memory this executable holds (weights by default)."""

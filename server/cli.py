@@ -11,6 +11,7 @@ import sys
 from rich.console import Console
 
 import models
+from backends.api import BackendError
 
 from .app import ServerConfig, SixfoldServer
 from .batcher import BatchingConfig
@@ -75,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, highlight=False)
     if args.list_backends:
         from backends.registry import describe
-        console.print(describe())
+        print(describe())
         return 0
     if not args.model:
-        console.print("sixfold-serve: --model is required (or --list-backends)")
+        print("sixfold-serve: --model is required (or --list-backends)", file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run
     try:
         return run(_serve(args, console))
-    except (KeyError, ValueError, MemoryError, FileNotFoundError, OSError) as exc:
-        console.print(f"sixfold-serve: {exc.args[0] if exc.args else exc}")
+    except (KeyError, ValueError, MemoryError, FileNotFoundError, OSError, BackendError) as exc:
+        print(f"sixfold-serve: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from backends import registry
@@ -32,7 +33,9 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
         spec: DeviceSpec = plan.device(device_id).spec
         if not card_backend.supports(dense):
             raise ValueError(f"backend {backend!r} does not take {dense.format} partitions")
-        cards.append(card_backend.load(dense, spec))
+        # Each card is its own device (memory budget, queue), even when all share one spec.
+        card = dataclasses.replace(spec, name=f"{spec.name}/{device_id}")
+        cards.append(card_backend.load(dense, card))
     runtime = PlanRuntime(host, cards)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=plan.model, version=version, plan=plan, runtime=runtime,

@@ -53,6 +53,12 @@ class ServedModel:
         m.batch_rows.labels(name).observe(info.rows)
         m.host_seconds.labels(name).observe(info.timings.get("host_s", 0.0))
         m.card_seconds.labels(name).observe(info.timings.get("card_s", 0.0))
+        card = int(info.timings.get("card", 0))
+        executable = self.runtime.cards[card]
+        m.card_outstanding.labels(name, f"card{card}").set(self.runtime.router.loads[card].outstanding_rows)
+        stats = getattr(executable, "stats", None)
+        if callable(stats):  # a simulated card says when the host could not keep up with its model
+            m.sim_lag.labels(name, f"card{card}").set(stats().total_lag_s)
         return outputs
 
     async def infer(self, inputs: dict[str, np.ndarray], requested: list[str]) -> dict[str, np.ndarray]:
