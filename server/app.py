@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -35,6 +36,9 @@ class ServerConfig:
     """Largest request or response; a 1000-item rm2 query is ~30 MB of ids."""
     grace_seconds: float = 10.0
     """On shutdown, how long in-flight RPCs may take to finish before they are cancelled."""
+    quiet_seconds: float = 0.3
+    """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
+    (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port <= 65535:
@@ -73,6 +77,11 @@ class SixfoldServer:
             await asyncio.wait_for(self.core.shutdown(), self.config.grace_seconds)
         except asyncio.TimeoutError:
             log.warning("requests still running after %.1fs grace; cancelling", self.config.grace_seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.grace_seconds
+        while loop.time() < deadline and (
+                self.core.active_rpcs or time.monotonic() - self.core.last_rpc_at < self.config.quiet_seconds):
+            await asyncio.sleep(0.02)
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -16,6 +17,15 @@ class InferenceCore:
     def __init__(self, models: Iterable[ServedModel] = ()) -> None:
         self.models: dict[str, ServedModel] = {m.name: m for m in models}
         self.accepting = True
+        self.active_rpcs = 0
+        self.last_rpc_at = 0.0
+
+    def rpc_started(self) -> None:
+        self.active_rpcs += 1
+        self.last_rpc_at = time.monotonic()
+
+    def rpc_finished(self) -> None:
+        self.active_rpcs -= 1
 
     @property
     def ready(self) -> bool:

@@ -31,6 +31,7 @@ _CONFIG_TYPES = {"FP32": model_config_pb2.TYPE_FP32, "FP16": model_config_pb2.TY
 def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        self.core.rpc_started()
         try:
             return await method(self, request, context)
         except ServingError as exc:
@@ -38,6 +39,8 @@ def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable
         except Exception as exc:  # noqa: BLE001 - last resort: the client still gets an answer
             log.exception("%s failed", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.core.rpc_finished()
         raise AssertionError("unreachable")  # abort always raises
     return wrapper
 
