@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InternalError, ServingError, Unavailable
+from .errors import DeadlineExceeded, InternalError, Overloaded, ServingError, Unavailable
 
 __all__ = ["BatchingConfig", "DynamicBatcher", "BatchInfo"]
 
@@ -37,6 +37,10 @@ class BatchingConfig:
     """How long the first request of a batch may wait for others to join."""
     max_inflight_batches: int = 0
     """Batches between host and cards at once (0: number of cards + 1, so stages overlap)."""
+    max_queue_size: int = 256
+    """Requests waiting at most; one more is refused at once with RESOURCE_EXHAUSTED (0: unbounded)."""
+    default_timeout_microseconds: int = 0
+    """A request still queued after this long is dropped before compute (0: no default timeout)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -45,6 +49,10 @@ class BatchingConfig:
             raise ValueError(f"max_queue_delay_microseconds must be >= 0, got {self.max_queue_delay_microseconds}")
         if self.max_inflight_batches < 0:
             raise ValueError(f"max_inflight_batches must be >= 0, got {self.max_inflight_batches}")
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        if self.default_timeout_microseconds < 0:
+            raise ValueError(f"default_timeout_microseconds must be >= 0, got {self.default_timeout_microseconds}")
 
 
 @dataclass
@@ -64,6 +72,7 @@ class _Pending:
     future: asyncio.Future
     enqueued: float
     info: BatchInfo
+    deadline: float | None = None
 
 
 RunBatch = Callable[[Arrays, BatchInfo], Awaitable[Arrays]]
@@ -95,20 +104,45 @@ class DynamicBatcher:
     def queued(self) -> int:
         return (self._queue.qsize() if self._queue else 0) + (1 if self._carry else 0)
 
-    async def submit(self, inputs: Arrays, rows: int) -> tuple[Arrays, BatchInfo]:
+    async def submit(self, inputs: Arrays, rows: int, timeout_s: float | None = None) -> tuple[Arrays, BatchInfo]:
+        """Queue one request; ``timeout_s`` (or the default timeout) drops it if still queued then."""
         if self._closing:
             raise Unavailable("server is shutting down; not accepting new requests")
         self._ensure_started()
         assert self._queue is not None
+        limit = self.config.max_queue_size
+        if limit and self.queued >= limit:
+            raise Overloaded(f"queue full: {self.queued} requests waiting (max_queue_size {limit}); retry later")
+        if timeout_s is None and self.config.default_timeout_microseconds:
+            timeout_s = self.config.default_timeout_microseconds / 1e6
+        now = self._clock()
         future = asyncio.get_running_loop().create_future()
         info = BatchInfo()
-        self._queue.put_nowait(_Pending(inputs, rows, future, self._clock(), info))
+        deadline = None if timeout_s is None else now + timeout_s
+        self._queue.put_nowait(_Pending(inputs, rows, future, now, info, deadline))
         return await future, info
+
+    def _expired(self, item: _Pending) -> bool:
+        """Fail a request whose deadline passed while it waited: it never reaches a card."""
+        if item.deadline is None or self._clock() < item.deadline:
+            return False
+        if not item.future.done():
+            waited = (self._clock() - item.enqueued) * 1e3
+            item.future.set_exception(DeadlineExceeded(
+                f"request timed out after {waited:.1f} ms in the queue, before compute"))
+        return True
+
+    async def _first_live(self) -> _Pending:
+        assert self._queue is not None
+        while True:
+            first = self._carry or await self._queue.get()
+            self._carry = None
+            if not self._expired(first):
+                return first
 
     async def _next_batch(self) -> list[_Pending]:
         assert self._queue is not None
-        first = self._carry or await self._queue.get()
-        self._carry = None
+        first = await self._first_live()
         batch, rows = [first], first.rows
         deadline = first.enqueued + self.config.max_queue_delay_microseconds / 1e6
         while rows < self.config.max_batch_rows:
@@ -117,6 +151,8 @@ class DynamicBatcher:
                 item = self._queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(self._queue.get(), remaining)
             except (asyncio.QueueEmpty, asyncio.TimeoutError):
                 break
+            if self._expired(item):
+                continue
             if rows + item.rows > self.config.max_batch_rows:
                 self._carry = item  # starts the next batch; never reorder requests
                 break

@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
+    p.add_argument("--max-queue-size", type=int, default=256,
+                   help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
+    p.add_argument("--default-timeout-us", type=int, default=0,
+                   help="drop a request still queued after this long with DEADLINE_EXCEEDED (0: only client deadlines)")
     p.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -44,7 +48,9 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
 
     metrics = ServerMetrics()
     batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
-                              max_queue_delay_microseconds=args.max_queue_delay_us)
+                              max_queue_delay_microseconds=args.max_queue_delay_us,
+                              max_queue_size=args.max_queue_size,
+                              default_timeout_microseconds=args.default_timeout_us)
     with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
         served = await asyncio.to_thread(
             load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,

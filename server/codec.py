@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2
 
 from .errors import InvalidInput
 
-__all__ = ["DTYPES", "decode_inputs", "requested_outputs", "encode_response", "datatype_of"]
+__all__ = ["DTYPES", "decode_inputs", "requested_outputs", "request_timeout", "encode_response", "datatype_of"]
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -82,6 +82,24 @@ def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarra
 
 def requested_outputs(request: service_pb2.ModelInferRequest) -> list[str]:
     return [o.name for o in request.outputs]
+
+
+def request_timeout(request: service_pb2.ModelInferRequest, context: object = None) -> float | None:
+    """Seconds the client will wait: the sooner of its gRPC deadline and the ``timeout``
+    parameter (microseconds, Triton's name); None when neither is set."""
+    limits = []
+    remaining = getattr(context, "time_remaining", lambda: None)()
+    if remaining is not None:
+        limits.append(max(0.0, remaining))
+    if "timeout" in request.parameters:
+        param = request.parameters["timeout"]
+        which = param.WhichOneof("parameter_choice")
+        value = getattr(param, which) if which else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidInput(f"parameter 'timeout' must be a non-negative integer (microseconds), got {value!r}")
+        if value:
+            limits.append(value / 1e6)
+    return min(limits) if limits else None
 
 
 def encode_response(model: str, version: str, request_id: str,

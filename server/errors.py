@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["ServingError", "InvalidInput", "ModelNotFound", "Unavailable", "Overloaded", "InternalError"]
+__all__ = ["ServingError", "InvalidInput", "ModelNotFound", "Unavailable", "Overloaded", "DeadlineExceeded", "InternalError"]
 
 
 class ServingError(Exception):
@@ -36,6 +36,11 @@ class Unavailable(ServingError):
 class Overloaded(ServingError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "overloaded"
+
+
+class DeadlineExceeded(ServingError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "deadline"
 
 
 class InternalError(ServingError):

@@ -61,8 +61,13 @@ class ServedModel:
             m.sim_lag.labels(name, f"card{card}").set(stats().total_lag_s)
         return outputs
 
-    async def infer(self, inputs: dict[str, np.ndarray], requested: list[str]) -> dict[str, np.ndarray]:
-        """Validate, queue for batching, and return the requested outputs of this request."""
+    async def infer(self, inputs: dict[str, np.ndarray], requested: list[str],
+                    timeout_s: float | None = None) -> dict[str, np.ndarray]:
+        """Validate, queue for batching, and return the requested outputs of this request.
+
+        ``timeout_s``: the client's deadline (gRPC deadline or ``timeout`` parameter); a request
+        still queued when it passes is dropped before compute with DEADLINE_EXCEEDED.
+        """
         t0 = time.perf_counter()
         try:
             rows = validate_request(inputs, self.input_specs, self.table_rows)
@@ -73,7 +78,7 @@ class ServedModel:
                 outputs = {t.name: np.zeros((0, *t.shape[1:]), dtype=np.float32) for t in self.plan.outputs}
                 info = BatchInfo()
             else:
-                outputs, info = await self.batcher.submit(inputs, rows)
+                outputs, info = await self.batcher.submit(inputs, rows, timeout_s)
         except Exception as exc:
             self.stats.record_failure(time.perf_counter() - t0)
             self.metrics.failure.labels(self.name, getattr(exc, "reason", "internal")).inc()

@@ -15,7 +15,7 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
-from .codec import decode_inputs, encode_response, requested_outputs
+from .codec import decode_inputs, encode_response, request_timeout, requested_outputs
 from .core import InferenceCore
 from .errors import ServingError
 from .model import ServedModel
@@ -121,5 +121,5 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         inputs = decode_inputs(request)
         model, outputs = await self.core.infer(request.model_name, request.model_version, inputs,
-                                               requested_outputs(request))
+                                               requested_outputs(request), request_timeout(request, context))
         return encode_response(model.name, model.version, request.id, outputs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from server.batcher import BatchingConfig, BatchInfo, DynamicBatcher
-from server.errors import InternalError, Unavailable
+from server.errors import DeadlineExceeded, InternalError, Overloaded, Unavailable
 
 
 def _request(rows: int, value: float) -> dict[str, np.ndarray]:
@@ -102,3 +102,41 @@ def test_config_bounds_are_checked() -> None:
         BatchingConfig(max_batch_rows=0)
     with pytest.raises(ValueError, match="max_queue_delay"):
         BatchingConfig(max_queue_delay_microseconds=-1)
+
+
+async def test_a_full_queue_refuses_at_once_with_resource_exhausted() -> None:
+    model = Recorder(delay=0.05)
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0,
+                                                   max_queue_size=2), max_inflight=1)
+    running = [asyncio.ensure_future(batcher.submit(_request(1, 0), 1))]
+    await asyncio.sleep(0.01)  # the first batch is running
+    running += [asyncio.ensure_future(batcher.submit(_request(1, i), 1)) for i in (1, 2)]
+    await asyncio.sleep(0)  # two queued behind it: the queue is full
+    with pytest.raises(Overloaded, match="max_queue_size 2"):
+        await batcher.submit(_request(1, 9), 1)
+    assert all(not isinstance(r, Exception) for r in await asyncio.gather(*running, return_exceptions=True))
+    await batcher.close()
+
+
+async def test_a_request_past_its_deadline_is_dropped_before_compute() -> None:
+    model = Recorder(delay=0.05)
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0), max_inflight=1)
+    slow = asyncio.ensure_future(batcher.submit(_request(1, 1), 1))
+    await asyncio.sleep(0.005)
+    with pytest.raises(DeadlineExceeded, match="before compute"):
+        await batcher.submit(_request(1, 2), 1, timeout_s=0.01)  # waits behind a 50 ms batch
+    await slow
+    assert model.batches == [1]  # the expired request never reached the model
+    await batcher.close()
+
+
+async def test_the_default_timeout_applies_when_the_client_sets_none() -> None:
+    model = Recorder(delay=0.05)
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0,
+                                                   default_timeout_microseconds=10_000), max_inflight=1)
+    slow = asyncio.ensure_future(batcher.submit(_request(1, 1), 1, timeout_s=1.0))
+    await asyncio.sleep(0.005)
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit(_request(1, 2), 1)
+    await slow
+    await batcher.close()

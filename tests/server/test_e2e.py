@@ -157,3 +157,18 @@ def test_prometheus_metrics_are_exposed(client, served_rm2, gen) -> None:
     text = urllib.request.urlopen(f"http://127.0.0.1:{served_rm2.metrics_port}/metrics", timeout=10).read().decode()
     assert 'sixfold_inference_request_success_total{model="rm2"}' in text
     assert "sixfold_card_stage_duration_seconds_bucket" in text and "sixfold_batch_rows_bucket" in text
+
+
+def test_the_timeout_parameter_drops_a_request_before_compute(client, gen) -> None:
+    before = client.get_inference_statistics("rm2").model_stats[0].execution_count
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("rm2", triton_inputs(tc, gen.make(3)), timeout=1)  # 1 microsecond
+    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED" and "before compute" in info.value.message()
+    assert client.get_inference_statistics("rm2").model_stats[0].execution_count == before
+    assert client.infer("rm2", triton_inputs(tc, gen.make(3))).as_numpy("scores").shape == (3, 1)
+
+
+def test_a_grpc_deadline_is_honoured(client, gen) -> None:
+    # A generous deadline is met; the server sees and respects it without failing the request.
+    result = client.infer("rm2", triton_inputs(tc, gen.make(50)), client_timeout=30)
+    assert result.as_numpy("scores").shape == (50, 1)
