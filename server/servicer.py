@@ -6,6 +6,7 @@ pattern); every other line converts or delegates.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -123,3 +124,46 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         model, outputs = await self.core.infer(request.model_name, request.model_version, inputs,
                                                requested_outputs(request), request_timeout(request, context))
         return encode_response(model.name, model.version, request.id, outputs)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Bidirectional stream: each request is answered as soon as it completes (ids tell
+        them apart); a failed request becomes an ``error_message`` and the stream goes on."""
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def answer(request: service_pb2.ModelInferRequest) -> None:
+            self.core.rpc_started()
+            try:
+                inputs = decode_inputs(request)
+                model, outputs = await self.core.infer(request.model_name, request.model_version, inputs,
+                                                       requested_outputs(request), request_timeout(request))
+                reply = service_pb2.ModelStreamInferResponse(
+                    infer_response=encode_response(model.name, model.version, request.id, outputs))
+            except Exception as exc:  # noqa: BLE001 - every request gets an answer on the stream
+                if not isinstance(exc, ServingError):
+                    log.exception("stream request %s failed", request.id)
+                message = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
+                reply = service_pb2.ModelStreamInferResponse(
+                    error_message=message, infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, model_version=request.model_version, id=request.id))
+            finally:
+                self.core.rpc_finished()
+            await answers.put(reply)
+
+        async def read() -> None:
+            tasks: set[asyncio.Task] = set()
+            try:
+                async for request in request_iterator:
+                    task = asyncio.ensure_future(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await answers.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()

@@ -172,3 +172,31 @@ def test_a_grpc_deadline_is_honoured(client, gen) -> None:
     # A generous deadline is met; the server sees and respects it without failing the request.
     result = client.infer("rm2", triton_inputs(tc, gen.make(50)), client_timeout=30)
     assert result.as_numpy("scores").shape == (50, 1)
+
+
+def test_streaming_answers_every_request_including_errors(served_rm2, gen) -> None:
+    requests = {f"q{i}": gen.make(n) for i, n in enumerate([1, 300, 7, 64])}
+    bad = gen.make(2)
+    bad["sparse_indices"] = bad["sparse_indices"][:-1]
+    results: dict[str, object] = {}
+    done = __import__("threading").Event()
+
+    def callback(result, error) -> None:
+        if error is not None:
+            results[f"error:{len(results)}"] = error
+        else:
+            results[result.get_response().id] = result.as_numpy("scores")
+        if len(results) == len(requests) + 1:
+            done.set()
+
+    with tc.InferenceServerClient(served_rm2.url) as client:
+        client.start_stream(callback=callback)
+        for rid, request in requests.items():
+            client.async_stream_infer("rm2", triton_inputs(tc, request), request_id=rid)
+        client.async_stream_infer("rm2", triton_inputs(tc, bad), request_id="bad")
+        assert done.wait(60), results
+        client.stop_stream()
+    for rid, request in requests.items():
+        np.testing.assert_allclose(results[rid], served_rm2.expected(request), atol=ATOL, rtol=0)
+    errors = [v for k, v in results.items() if k.startswith("error:")]
+    assert len(errors) == 1 and "sparse_indices" in str(errors[0])
