@@ -7,7 +7,7 @@ MODEL  ?= rm2
 MAX_ROWS ?= 50000
 CARDS  ?= 6
 
-.PHONY: install demo serve test bench clean
+.PHONY: install demo serve test bench clean mlserver-venv
 
 install: $(STAMP)
 
@@ -31,5 +31,14 @@ test: install
 bench: install
 	$(PY) bench/run_all.py
 
+# Seldon MLServer 1.7 serving the same torch model: the non-sixfold KServe v2 peer (benchmarks only).
+mlserver-venv: .venv-mlserver/.stamp
+
+.venv-mlserver/.stamp:
+	$(PYTHON) -m venv .venv-mlserver
+	.venv-mlserver/bin/pip install -q torch==2.13.0
+	.venv-mlserver/bin/pip install -q "mlserver==1.7.*" numpy
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) .venv-mlserver build *.egg-info runs
