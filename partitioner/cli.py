@@ -14,7 +14,11 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sixfold-partition", description=__doc__)
-    p.add_argument("--model", required=True, help=f"built-in model: {', '.join(models.names())}")
+    p.add_argument("model_file", nargs="?", help="a torch.export archive (.pt2) of a model taking the "
+                   "canonical request (dense_features, sparse_lengths, sparse_indices)")
+    p.add_argument("--model", help=f"a built-in model instead of a file: {', '.join(models.names())}")
+    p.add_argument("--name", help="model name in the plan (default: the file's stem)")
+    p.add_argument("--pooling", type=int, default=1, help="ids per (item, table) to trace a file model with")
     p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cards", type=int, default=6, help="number of accelerator cards (default 6)")
@@ -30,15 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False)
     err = Console(stderr=True)
     from .artifacts import write_artifacts
-    from .compile import partition_builtin
+    from .compile import partition_builtin, partition_file
     from .explain import print_plan
+    if bool(args.model) == bool(args.model_file):
+        err.print("sixfold-partition: give either MODEL_FILE or --model NAME")
+        return 2
     try:
-        with console.status(f"exporting and partitioning {args.model}..."):
-            _, partitioned = partition_builtin(
-                args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
-                card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows)
+        with console.status(f"exporting and partitioning {args.model or args.model_file}..."):
+            if args.model:
+                _, partitioned = partition_builtin(
+                    args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
+                    card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows)
+            else:
+                partitioned = partition_file(
+                    args.model_file, name=args.name, cards=args.cards, card_spec=args.card_spec,
+                    host_spec=args.host_spec, pooling=args.pooling, batch_rows=args.batch_rows)
             path = write_artifacts(partitioned, args.out)
-    except (KeyError, ValueError, MemoryError, FileNotFoundError) as exc:
+    except (KeyError, ValueError, MemoryError, FileNotFoundError, RuntimeError) as exc:
         err.print(f"[red]sixfold-partition: {exc.args[0] if exc.args else exc}[/]")
         return 2
     print_plan(partitioned.plan, console)

@@ -30,7 +30,7 @@ from .plan import (DeviceEstimate, DeviceInfo, Estimates, PartitionInfo, Partiti
 from .sparse_dense import assign_sparse_dense
 from .strategy import replicate
 
-__all__ = ["PartitionedModel", "partition_model", "partition_builtin", "HOST_PARTITION", "DENSE_PARTITION"]
+__all__ = ["PartitionedModel", "partition_model", "partition_builtin", "partition_file", "HOST_PARTITION", "DENSE_PARTITION"]
 
 log = logging.getLogger(__name__)
 
@@ -210,3 +210,19 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
     partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
                                   host=host, tables=tables, batch_rows=batch_rows)
     return model, partitioned
+
+
+def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_spec: str | DeviceSpec = "m2-card",
+                   host_spec: str | DeviceSpec = "host-cpu", pooling: int = 1,
+                   batch_rows: int = 256) -> PartitionedModel:
+    """Partition a ``torch.export`` archive (.pt2) of any model taking the canonical request."""
+    from pathlib import Path
+
+    from .frontend import load_export_archive
+    if Path(path).suffix != ".pt2":
+        raise ValueError(f"{path}: expected a torch.export archive (.pt2); ONNX models are not supported yet")
+    module, example, tables = load_export_archive(path, pooling=pooling)
+    card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
+    host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
+    return partition_model(name or Path(path).stem, module, example, cards=[card] * cards, host=host,
+                           tables=tables, batch_rows=batch_rows)
