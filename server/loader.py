@@ -28,15 +28,16 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
     host = registry.get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], host_device)
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     dense = partitioned.artifacts[DENSE_PARTITION]
-    cards = []
+    cards, card_specs = [], []
     for device_id in plan.devices_of(DENSE_PARTITION):
         spec: DeviceSpec = plan.device(device_id).spec
         if not card_backend.supports(dense):
             raise ValueError(f"backend {backend!r} does not take {dense.format} partitions")
         # Each card is its own device (memory budget, queue), even when all share one spec.
         card = dataclasses.replace(spec, name=f"{spec.name}/{device_id}")
+        card_specs.append(card)
         cards.append(card_backend.load(dense, card))
-    runtime = PlanRuntime(host, cards)
+    runtime = PlanRuntime(host, cards, reload_card=lambda i: card_backend.load(dense, card_specs[i]))
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics)  # type: ignore[arg-type]

@@ -8,7 +8,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-__all__ = ["LeastLoadedRouter", "CardLoad"]
+__all__ = ["LeastLoadedRouter", "CardLoad", "NoHealthyCard"]
+
+
+class NoHealthyCard(RuntimeError):
+    """Every card is out of rotation (or excluded for this batch)."""
 
 
 @dataclass
@@ -18,6 +22,8 @@ class CardLoad:
     last_used: int = -1
     batches: int = 0
     rows: int = 0
+    healthy: bool = True
+    failures: int = 0
 
 
 class LeastLoadedRouter:
@@ -27,10 +33,13 @@ class LeastLoadedRouter:
         self.loads = [CardLoad() for _ in range(cards)]
         self._tick = itertools.count()
 
-    def acquire(self, rows: int) -> int:
-        """Pick a card for a batch of ``rows`` and count it as outstanding there."""
-        index = min(range(len(self.loads)),
-                    key=lambda i: (self.loads[i].outstanding_rows, self.loads[i].last_used))
+    def acquire(self, rows: int, exclude: frozenset[int] | set[int] = frozenset()) -> int:
+        """Pick a healthy card (not in ``exclude``) for a batch of ``rows``; count it as outstanding."""
+        candidates = [i for i, load in enumerate(self.loads) if load.healthy and i not in exclude]
+        if not candidates:
+            down = [i for i, load in enumerate(self.loads) if not load.healthy]
+            raise NoHealthyCard(f"no healthy card left for this batch (out of rotation: {down}, tried: {sorted(exclude)})")
+        index = min(candidates, key=lambda i: (self.loads[i].outstanding_rows, self.loads[i].last_used))
         load = self.loads[index]
         load.outstanding_rows += rows
         load.outstanding_batches += 1
@@ -43,3 +52,14 @@ class LeastLoadedRouter:
         load.outstanding_batches -= 1
         load.batches += 1
         load.rows += rows
+
+    def mark_down(self, index: int) -> None:
+        self.loads[index].healthy = False
+        self.loads[index].failures += 1
+
+    def mark_up(self, index: int) -> None:
+        self.loads[index].healthy = True
+
+    @property
+    def healthy(self) -> list[int]:
+        return [i for i, load in enumerate(self.loads) if load.healthy]

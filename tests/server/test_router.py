@@ -28,3 +28,16 @@ def test_release_counts_work_done() -> None:
     assert router.loads[card].outstanding_rows == 7
     router.release(card, 7)
     assert router.loads[card].outstanding_rows == 0 and router.loads[card].rows == 7
+
+
+def test_cards_out_of_rotation_are_skipped_until_back() -> None:
+    import pytest
+
+    from server.router import NoHealthyCard
+    router = LeastLoadedRouter(2)
+    router.mark_down(0)
+    assert {router.acquire(1) for _ in range(3)} == {1}
+    with pytest.raises(NoHealthyCard, match="out of rotation: \\[0\\]"):
+        router.acquire(1, exclude={1})
+    router.mark_up(0)
+    assert router.acquire(1) == 0
