@@ -1,4 +1,7 @@
-"""sixfold-partition: cut a model into host + dense partitions, place them, write and explain the plan."""
+"""sixfold-partition: cut a model into host + dense partitions, place them, write and explain the plan.
+
+`sixfold-partition calibrate [--out host.json]` measures this host and writes a device spec.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        # Measure this host (FLOP/s, memory and gather bandwidth) and write a device spec.
+        from backends.calibrate import main as calibrate
+        return calibrate(argv[1:])
     args = _parser().parse_args(argv)
     console = Console(stderr=False)
     err = Console(stderr=True)
