@@ -25,7 +25,7 @@ def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
     (out / "dense.onnx").write_bytes(dense.payload)
     plan.partition(DENSE_PARTITION).artifact = "dense.onnx"
 
-    host_module = partitioned.artifacts[HOST_PARTITION].payload
+    host_module = partitioned.split.host  # the fp32 tables; other precisions are derived at load
     rows = plan.tables.get("rows")
     for name, tensor in {**dict(host_module.named_parameters()), **dict(host_module.named_buffers())}.items():
         array = tensor.detach().cpu().numpy()

@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cards", type=int, default=6, help="number of accelerator cards (default 6)")
     p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
     p.add_argument("--host-spec", default="host-cpu", help="device spec name or JSON file for the host")
+    p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
+                   help="row-wise precision of the embedding tables (built-in models)")
     p.add_argument("--batch-rows", type=int, default=256, help="batch size the estimates are for")
     p.add_argument("--out", required=True, help="output folder (a model-repository version folder)")
     return p
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.model:
                 _, partitioned = partition_builtin(
                     args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
-                    card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows)
+                    card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows,
+                    table_precision=args.table_precision)
             else:
                 partitioned = partition_file(
                     args.model_file, name=args.name, cards=args.cards, card_spec=args.card_spec,

@@ -30,7 +30,7 @@ from .plan import (DeviceEstimate, DeviceInfo, Estimates, PartitionInfo, Partiti
 from .sparse_dense import assign_sparse_dense
 from .strategy import replicate
 
-__all__ = ["PartitionedModel", "partition_model", "partition_builtin", "partition_file", "HOST_PARTITION", "DENSE_PARTITION"]
+__all__ = ["PartitionedModel", "partition_model", "partition_builtin", "partition_file", "quantize_tables", "HOST_PARTITION", "DENSE_PARTITION"]
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +197,41 @@ def builtin_example(config: models.ModelConfig, seed: int = 0) -> ExampleFn:
     return make
 
 
+def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, precision: str) -> None:
+    """Serve the host stage as row-wise ``precision`` tables (fp16/int8/int4) instead of the fp32 graph.
+
+    Only for a table-batched embedding host stage (the zoo's): the host partition
+    must read just the lengths and ids and produce one pooled tensor.
+    """
+    from backends.host_embedding import PRECISIONS, bytes_per_row
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown table precision {precision!r}; known: {', '.join(PRECISIONS)}")
+    split = partitioned.split
+    embeddings = getattr(model, "embeddings", None)
+    if split.host_inputs != [LENGTHS, INDICES] or len(split.boundary) != 1 or embeddings is None:
+        raise ValueError("table precision needs a table-batched embedding host stage "
+                         f"(host inputs {split.host_inputs}, outputs {split.boundary})")
+    weight = embeddings.weight.detach().numpy()
+    offsets = [0, *np.cumsum(embeddings.table_rows).tolist()]
+    tables = [weight[a:b] for a, b in zip(offsets[:-1], offsets[1:])]  # views, no copy
+    param_bytes = sum(bytes_per_row(precision, weight.shape[1]) * t.shape[0] for t in tables)
+    old = partitioned.artifacts[HOST_PARTITION]
+    partitioned.artifacts[HOST_PARTITION] = PartitionArtifact(
+        name=HOST_PARTITION, format="tables", payload=tables, input_names=(LENGTHS, INDICES),
+        output_names=tuple(split.boundary), param_bytes=param_bytes, flops_per_item=0.0,
+        bytes_per_item=old.bytes_per_item, metadata={"precision": precision})
+    info = partitioned.plan.partition(HOST_PARTITION)
+    info.format, info.param_bytes = "tables", param_bytes
+    partitioned.plan.tables["precision"] = precision
+
+
 def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, cards: int = 6,
                       card_spec: str | DeviceSpec = "m2-card", host_spec: str | DeviceSpec = "host-cpu",
-                      batch_rows: int = 256) -> tuple[models.DLRM, PartitionedModel]:
-    """Build a zoo model and partition it onto ``cards`` identical cards plus the host."""
+                      batch_rows: int = 256, table_precision: str = "fp32") -> tuple[models.DLRM, PartitionedModel]:
+    """Build a zoo model and partition it onto ``cards`` identical cards plus the host.
+
+    ``table_precision`` other than fp32 serves the tables row-wise quantized (fp16/int8/int4).
+    """
     card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
     host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
     model = models.build(name, max_rows=max_rows, seed=seed)
@@ -209,6 +240,8 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
               "pooling": list(config.pooling), "zipf": config.zipf}
     partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
                                   host=host, tables=tables, batch_rows=batch_rows)
+    if table_precision != "fp32":
+        quantize_tables(partitioned, model, table_precision)
     return model, partitioned
 
 

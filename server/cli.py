@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
     p.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
     p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
+    p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
+                   help="embedding tables row-wise precision on the host (default fp32)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
@@ -54,7 +56,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
         served = await asyncio.to_thread(
             load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
-            backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching)
+            backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
+            table_precision=args.table_precision)
     from partitioner.explain import print_plan
     print_plan(served.plan, console)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,

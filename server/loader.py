@@ -18,6 +18,9 @@ __all__ = ["load_partitioned", "load_builtin"]
 
 log = logging.getLogger(__name__)
 
+# The host (sparse) stage runs on the backend that takes its artifact's format.
+_HOST_BACKENDS = {"torch-fx": "torch", "tables": "host-embedding"}
+
 
 def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1",
@@ -25,7 +28,11 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
     """Load the host stage on the torch backend and a dense replica on every placed card."""
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
-    host = registry.get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], host_device)
+    host_artifact = partitioned.artifacts[HOST_PARTITION]
+    host_backend = _HOST_BACKENDS.get(host_artifact.format)
+    if host_backend is None:
+        raise ValueError(f"no host backend takes {host_artifact.format!r} partitions")
+    host = registry.get_backend(host_backend).load(host_artifact, host_device)
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     dense = partitioned.artifacts[DENSE_PARTITION]
     cards, card_specs = [], []
@@ -55,6 +62,8 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
 
 
 def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
-                 card_spec: str, metrics: ServerMetrics, batching: BatchingConfig) -> ServedModel:
-    _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec)
+                 card_spec: str, metrics: ServerMetrics, batching: BatchingConfig,
+                 table_precision: str = "fp32") -> ServedModel:
+    _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
+                                       table_precision=table_precision)
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching)

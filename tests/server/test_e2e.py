@@ -200,3 +200,29 @@ def test_streaming_answers_every_request_including_errors(served_rm2, gen) -> No
         np.testing.assert_allclose(results[rid], served_rm2.expected(request), atol=ATOL, rtol=0)
     errors = [v for k, v in results.items() if k.startswith("error:")]
     assert len(errors) == 1 and "sparse_indices" in str(errors[0])
+
+
+def test_int8_tables_serve_close_to_the_fp32_model(gen) -> None:
+    """The host stage on row-wise int8 tables, end to end over gRPC: close to fp32, not equal."""
+    from partitioner.compile import partition_builtin
+    from server.app import BackgroundServer, ServerConfig
+    from server.batcher import BatchingConfig
+    from server.core import InferenceCore
+    from server.loader import load_partitioned
+    from server.metrics import ServerMetrics
+    import torch
+
+    model, partitioned = partition_builtin("rm2", max_rows=MAX_ROWS, seed=3, cards=2, table_precision="int8")
+    assert partitioned.plan.partition("sparse").format == "tables"
+    assert partitioned.plan.partition("sparse").param_bytes < MAX_ROWS * 32 * 64 * 4 / 3
+    metrics = ServerMetrics()
+    served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=BatchingConfig())
+    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None), metrics) as bg:
+        with tc.InferenceServerClient(bg.url) as client:
+            request = gen.make(64)
+            scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
+    with torch.inference_mode():
+        expected = model(*[torch.from_numpy(request[k]) for k in
+                           ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
+    diff = np.abs(scores - expected).max()
+    assert 0 < diff < 0.02, diff
