@@ -1,0 +1,37 @@
+"""The backend conformance kit: does a backend give ONNX Runtime's answers, and behave like a card?
+
+    python -m backends.conformance NAME [--models rm2,dlrm-mlperf] [--max-batch 64] [--max-rows 200]
+                                        [--option k=v ...] [--options-file FILE] [--card-spec m2-card]
+
+It builds the dense partitions of built-in models (small tables), feeds them
+real inputs (the host stage's outputs for generated requests) and checks, for
+each model:
+
+========================  =========================================================================
+``load``                  ``supports()`` takes the ONNX partition; ``load()`` returns an Executable
+``memory``                ``memory_bytes()`` is an int > 0
+``outputs``               ``infer()`` equals ONNX Runtime (atol 1e-4) for every batch size 1..max
+``concurrency``           threads calling ``run()`` on separate executables, and many ``infer()``
+                          calls queued at once on each executable, all answer correctly
+``bad-input``             a missing input, a wrong width, mismatched rows, float64: an exception
+                          (not a hang, not an answer); then a good batch still answers correctly
+``does-not-fit``          ``load()`` on a device with a quarter of the weights' memory raises
+                          DoesNotFit quoting the sizes
+``close``                 ``close()`` works twice; ``infer()`` afterwards raises
+========================  =========================================================================
+
+Every call into the backend runs under a timeout (``--timeout``, 10 s). The
+CLI prints a table and exits 1 on any failure (2 on a usage error). The
+Python API, ``run_conformance(name_or_instance, ...)``, returns a
+``ConformanceReport``.
+"""
+
+from .cases import DEFAULT_MODELS, Case, builtin_case, builtin_cases, case_from_artifact
+from .kit import CHECKS, CheckFailed, run_conformance, run_conformance_async
+from .report import CheckResult, ConformanceReport
+
+__all__ = [
+    "run_conformance", "run_conformance_async", "CHECKS", "CheckFailed",
+    "ConformanceReport", "CheckResult",
+    "Case", "case_from_artifact", "builtin_case", "builtin_cases", "DEFAULT_MODELS",
+]

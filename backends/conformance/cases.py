@@ -1,0 +1,118 @@
+"""Test cases for the conformance kit: a dense partition, real inputs for every batch size, ONNX Runtime's answers.
+
+A ``Case`` is plain data (an artifact, feeds by batch size, expected outputs by
+batch size), so a vendor can also build cases from their own partitions with
+``case_from_artifact``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..api import Arrays, PartitionArtifact
+
+__all__ = ["Case", "Reference", "case_from_artifact", "builtin_case", "builtin_cases", "DEFAULT_MODELS"]
+
+DEFAULT_MODELS: tuple[str, ...] = ("rm2", "dlrm-mlperf")
+"""Models the kit checks when none are named: the two dense-partition shapes of the zoo, fast to build."""
+
+
+@dataclass
+class Case:
+    """One dense partition and what ONNX Runtime answers for it at every batch size."""
+
+    name: str
+    artifact: PartitionArtifact
+    feeds: dict[int, Arrays]
+    """Batch size (rows) -> the partition's inputs for that many rows."""
+    expected: dict[int, Arrays]
+    """Batch size -> ONNX Runtime's outputs for ``feeds[size]``."""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.feeds)
+
+
+class Reference:
+    """ONNX Runtime on the CPU: the ground truth. Quiet: the kit makes it fail on purpose (bad inputs)."""
+
+    def __init__(self, artifact: PartitionArtifact) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.log_severity_level = 4  # fatal only: refusals are expected, the exception is what counts
+        payload = artifact.payload
+        source = bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else str(payload)
+        self.session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+        self.inputs, self.outputs = artifact.input_names, list(artifact.output_names)
+
+    def run(self, feed: Mapping[str, np.ndarray]) -> Arrays:
+        values = self.session.run(self.outputs, {n: feed[n] for n in self.inputs})
+        return {n: np.asarray(v).copy() for n, v in zip(self.outputs, values)}
+
+    def refuses(self, feed: Mapping[str, np.ndarray]) -> bool:
+        """Whether ONNX Runtime raises on ``feed``."""
+        try:
+            self.run(feed)
+        except Exception:
+            return True
+        return False
+
+
+def _reference(artifact: PartitionArtifact, feeds: Mapping[int, Arrays]) -> dict[int, Arrays]:
+    """ONNX Runtime's outputs for every feed (the ground truth the kit compares against)."""
+    reference = Reference(artifact)
+    return {rows: reference.run(feed) for rows, feed in feeds.items()}
+
+
+def case_from_artifact(name: str, artifact: PartitionArtifact, make_feed: Callable[[int], Arrays],
+                       batch_sizes: Iterable[int]) -> Case:
+    """A case for any ONNX ``artifact``: ``make_feed(rows)`` gives its inputs; ONNX Runtime gives the answers."""
+    feeds = {rows: {n: np.ascontiguousarray(a) for n, a in make_feed(rows).items()} for rows in batch_sizes}
+    return Case(name=name, artifact=artifact, feeds=feeds, expected=_reference(artifact, feeds))
+
+
+def builtin_case(model: str, *, max_batch: int = 64, max_rows: int = 200, seed: int = 0) -> Case:
+    """The dense partition of zoo model ``model`` with host-stage outputs of generated requests as inputs.
+
+    Cached per arguments within a process (building one takes seconds).
+    """
+    return _builtin_case(model, max_batch, max_rows, seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _builtin_case(model: str, max_batch: int, max_rows: int, seed: int) -> Case:
+    # NOTE: the kit sits above the layers: it imports partitioner and models
+    # (and torch, through them) here, lazily, to build real partitions. The
+    # backends runtime itself never imports them.
+    import torch
+
+    import models
+    from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    zoo, partitioned = partition_builtin(model, max_rows=max_rows, seed=seed, cards=1)
+    host, dense = partitioned.artifacts[HOST_PARTITION], partitioned.artifacts[DENSE_PARTITION]
+    generator = models.RequestGenerator.for_config(zoo.config, seed=seed + 1)
+
+    def feed(rows: int) -> Arrays:
+        request = generator.make(rows)
+        with torch.inference_mode():
+            out = host.payload(*[torch.from_numpy(np.ascontiguousarray(request[n])) for n in host.input_names])
+        env = {**request, **{n: t.numpy().copy() for n, t in zip(host.output_names, out)}}
+        return {n: env[n] for n in dense.input_names}
+
+    case = case_from_artifact(model, dense, feed, range(1, max_batch + 1))
+    case.notes["max_rows"] = str(max_rows)
+    return case
+
+
+def builtin_cases(names: Iterable[str], *, max_batch: int = 64, max_rows: int = 200, seed: int = 0) -> list[Case]:
+    return [builtin_case(n, max_batch=max_batch, max_rows=max_rows, seed=seed) for n in names]

@@ -1,0 +1,461 @@
+"""The conformance checks and their runner.
+
+Every check drives the backend through the same calls the server makes
+(``supports``, ``load``, ``infer``, ``memory_bytes``, ``close``) and compares
+with ONNX Runtime. Every call into the backend runs under a timeout, on a
+thread the kit can abandon, so a backend that hangs fails a check instead of
+hanging the kit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..api import Arrays, Backend, DoesNotFit, Executable
+from ..memory import format_bytes
+from ..spec import DeviceSpec, load_spec
+from .cases import DEFAULT_MODELS, Case, Reference, builtin_cases
+from .report import CheckResult, ConformanceReport
+
+__all__ = ["CHECKS", "run_conformance", "run_conformance_async", "CheckFailed"]
+
+CHECKS: tuple[str, ...] = ("load", "memory", "outputs", "concurrency", "bad-input", "does-not-fit", "close")
+"""Every check, in the order they run on each case. "load" always runs: the others need it."""
+
+T = TypeVar("T")
+
+
+class CheckFailed(AssertionError):
+    """A check found the backend wrong; the message is the table's detail."""
+
+
+class Hung(CheckFailed):
+    """A call into the backend did not return within the timeout."""
+
+
+class _Context:
+    """What the checks of one case share: the backend, the case, devices, the timeout, loaded executables."""
+
+    def __init__(self, backend: Backend, case: Case, spec: DeviceSpec, timeout_s: float, atol: float,
+                 report: ConformanceReport) -> None:
+        self.backend, self.case, self.spec = backend, case, spec
+        self.timeout_s, self.atol, self.report = timeout_s, atol, report
+        self.main: Executable | None = None
+        self._devices = 0
+
+    def device(self) -> DeviceSpec:
+        """A fresh device name each time: each load is its own card, as the server does it."""
+        self._devices += 1
+        return dataclasses.replace(self.spec, name=f"{self.spec.name}/conformance{self._devices}")
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` on an abandonable thread, within the timeout; its exception is re-raised here."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed back to the caller
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, daemon=True, name=f"conformance-{what}")
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self.report.hung = True
+            raise Hung(f"{what} did not return within {self.timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    async def infer(self, exe: Executable, feed: Mapping[str, np.ndarray], what: str) -> Arrays:
+        try:
+            return await asyncio.wait_for(exe.infer(feed), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.report.hung = True
+            raise Hung(f"{what}: no answer and no error within {self.timeout_s:g} s") from None
+
+    def load(self, device: DeviceSpec | None = None) -> Executable:
+        device = device or self.device()
+        return self.call(lambda: self.backend.load(self.case.artifact, device), f"load on {device.name}")
+
+    def close(self, exe: Executable) -> None:
+        self.call(exe.close, f"close() of {exe.device.name}")
+
+    def compare(self, rows: int, outputs: Any) -> str | None:
+        """Why ``outputs`` for batch ``rows`` differ from ONNX Runtime's, or None when they agree."""
+        expected = self.case.expected[rows]
+        if not isinstance(outputs, Mapping):
+            return f"batch {rows}: returned {type(outputs).__name__}, expected a dict of arrays"
+        for name, want in expected.items():
+            if name not in outputs:
+                return f"batch {rows}: output {name!r} missing; got {sorted(outputs)}"
+            got = np.asarray(outputs[name])
+            if got.shape != want.shape:
+                return f"batch {rows}: {name} shape {got.shape}, expected {want.shape}"
+            if got.dtype != want.dtype:
+                return f"batch {rows}: {name} dtype {got.dtype}, expected {want.dtype}"
+            if not np.allclose(got, want, rtol=0.0, atol=self.atol, equal_nan=True):
+                diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+                worst = np.unravel_index(int(np.nanargmax(np.where(np.isnan(diff), np.inf, diff))), diff.shape)
+                return (f"batch {rows}: {name} differs from onnxruntime by up to {np.nanmax(diff):.3g} "
+                        f"(atol {self.atol:g}) at {tuple(int(i) for i in worst)}: got {got[worst]!r}, "
+                        f"expected {want[worst]!r}")
+        return None
+
+    def max_diff(self, rows: int, outputs: Mapping[str, np.ndarray]) -> float:
+        return max(float(np.max(np.abs(np.asarray(outputs[n], np.float64) - want.astype(np.float64)), initial=0.0))
+                   for n, want in self.case.expected[rows].items())
+
+
+def _spread(sizes: Sequence[int], count: int = 10) -> list[int]:
+    """Up to ``count`` batch sizes from ``sizes``: small ones, Fibonacci-ish ones, and the largest."""
+    picks = [s for s in (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233) if s in sizes][: count - 1]
+    return sorted({*picks, max(sizes)})
+
+
+def _ranges(sizes: list[int]) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10"."""
+    parts, start = [], None
+    for i, s in enumerate(sizes):
+        if start is None:
+            start = s
+        if i + 1 == len(sizes) or sizes[i + 1] != s + 1:
+            parts.append(f"{start}" if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(parts)
+
+
+# -- the checks; each returns its pass detail or raises CheckFailed ---------------------------------
+
+
+async def check_load(ctx: _Context) -> str:
+    art = ctx.case.artifact
+    if not ctx.backend.supports(art):
+        raise CheckFailed(f"supports() is False for the {art.format} partition {art.name}; "
+                          f"backend formats: {', '.join(ctx.backend.formats)}")
+    t0 = time.perf_counter()
+    ctx.main = ctx.load()
+    if not isinstance(ctx.main, Executable):
+        got = type(ctx.main).__name__
+        ctx.main = None
+        raise CheckFailed(f"load() returned {got}, not a backends.api.Executable")
+    return (f"{art.format} partition, {len(art.input_names)} inputs, {format_bytes(art.param_bytes)} "
+            f"weights, loaded in {time.perf_counter() - t0:.2f}s")
+
+
+async def check_memory(ctx: _Context) -> str:
+    exe = ctx.main
+    assert exe is not None
+    used = ctx.call(exe.memory_bytes, "memory_bytes()")
+    if isinstance(used, bool) or not isinstance(used, (int, np.integer)):
+        raise CheckFailed(f"memory_bytes() returned {used!r} ({type(used).__name__}), expected an int")
+    if used <= 0:
+        raise CheckFailed(f"memory_bytes() returned {used}; a loaded partition holds device memory (> 0)")
+    return f"memory_bytes() = {int(used)} ({format_bytes(int(used))}; weights {format_bytes(ctx.case.artifact.param_bytes)})"
+
+
+async def check_outputs(ctx: _Context) -> str:
+    exe = ctx.main
+    assert exe is not None
+    wrong: list[int] = []
+    first = ""
+    worst = 0.0
+    for rows in ctx.case.batch_sizes:
+        try:
+            out = await ctx.infer(exe, ctx.case.feeds[rows], f"batch {rows}")
+        except Hung:
+            raise
+        except Exception as exc:
+            wrong.append(rows)
+            first = first or f"batch {rows}: raised {type(exc).__name__}: {exc}"
+            continue
+        why = ctx.compare(rows, out)
+        if why:
+            wrong.append(rows)
+            first = first or why
+        else:
+            worst = max(worst, ctx.max_diff(rows, out))
+    sizes = ctx.case.batch_sizes
+    if wrong:
+        raise CheckFailed(f"{len(wrong)} of {len(sizes)} batch sizes wrong ({_ranges(wrong)}); first: {first}")
+    return f"batch sizes 1..{max(sizes)} equal onnxruntime (max |diff| {worst:.1e}, atol {ctx.atol:g})"
+
+
+async def check_concurrency(ctx: _Context, executables: int = 3, per_executable: int = 6) -> str:
+    """Threads calling ``run`` on separate executables; asyncio tasks calling ``infer`` on each, interleaved."""
+    sizes = _spread(ctx.case.batch_sizes)
+    extra: list[Executable] = []
+    try:
+        for _ in range(executables - 1):
+            extra.append(ctx.load())
+        exes = [e for e in (ctx.main, *extra) if e is not None]
+        # Threads: one per executable, all released at once, each walking the sizes in its own order.
+        errors: list[str] = []
+        barrier = threading.Barrier(len(exes))
+
+        def walk(i: int, exe: Executable) -> None:
+            barrier.wait()
+            order = sizes[i % len(sizes):] + sizes[: i % len(sizes)]
+            for rows in (order if i % 2 == 0 else order[::-1]):
+                try:
+                    why = ctx.compare(rows, exe.run(ctx.case.feeds[rows]))
+                except Exception as exc:
+                    why = f"batch {rows}: raised {type(exc).__name__}: {exc}"
+                if why:
+                    errors.append(f"thread {i} ({exe.device.name}): {why}")
+
+        threads = [threading.Thread(target=walk, args=(i, e), daemon=True, name=f"conformance-walk{i}")
+                   for i, e in enumerate(exes)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + ctx.timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            ctx.report.hung = True
+            raise Hung(f"{len(exes)} threads calling run() on separate executables did not finish "
+                       f"within {ctx.timeout_s:g} s")
+        if errors:
+            raise CheckFailed(f"{len(errors)} wrong answers from threads on {len(exes)} executables; first: {errors[0]}")
+        # asyncio: several batches queued at once on each executable, all executables at once.
+        jobs: list[tuple[Executable, int]] = [(e, sizes[(i + k) % len(sizes)])
+                                              for k in range(per_executable) for i, e in enumerate(exes)]
+
+        async def one(exe: Executable, rows: int) -> str | None:
+            try:
+                return ctx.compare(rows, await exe.infer(ctx.case.feeds[rows]))
+            except Exception as exc:
+                return f"batch {rows}: raised {type(exc).__name__}: {exc}"
+
+        try:
+            whys = await asyncio.wait_for(asyncio.gather(*(one(e, r) for e, r in jobs)), ctx.timeout_s)
+        except asyncio.TimeoutError:
+            ctx.report.hung = True
+            raise Hung(f"{len(jobs)} concurrent infer() calls on {len(exes)} executables did not finish "
+                       f"within {ctx.timeout_s:g} s") from None
+        bad = [w for w in whys if w]
+        if bad:
+            raise CheckFailed(f"{len(bad)} of {len(jobs)} concurrent infer() answers wrong; first: {bad[0]}")
+        return (f"{len(exes)} threads x {len(sizes)} run() calls and {len(jobs)} concurrent infer() calls "
+                f"({per_executable} queued per executable) all correct")
+    finally:
+        for exe in extra:
+            try:
+                ctx.close(exe)
+            except Exception:  # a failing close is the close check's business
+                pass
+
+
+def _bad_feeds(case: Case) -> list[tuple[str, Arrays, bool]]:
+    """(what, feed, a correct answer is acceptable) for inputs a backend must refuse."""
+    art = case.artifact
+    rows = min(4, max(case.batch_sizes))
+    good = case.feeds[rows]
+    variants: list[tuple[str, Arrays, bool]] = []
+    first = art.input_names[0]
+    variants.append((f"missing input {first!r}", {n: a for n, a in good.items() if n != first}, False))
+    wide = next((n for n in art.input_names if good[n].ndim >= 2 and good[n].dtype.kind == "f"), None)
+    if wide is not None:
+        a = good[wide]
+        padded = np.concatenate([a, np.ones((*a.shape[:-1], 3), a.dtype)], axis=-1)
+        variants.append((f"{wide} {a.shape[-1] + 3} wide instead of {a.shape[-1]}", {**good, wide: padded}, False))
+        variants.append((f"{wide} as float64", {**good, wide: a.astype(np.float64)}, True))
+    others = [n for n in art.input_names if n != first]
+    if others and rows > 1:
+        fewer = case.feeds[rows - 1]
+        variants.append((f"{first} for {rows} rows but {others[0]} for {rows - 1}",
+                         {**good, others[0]: fewer[others[0]]}, False))
+    return variants
+
+
+async def check_bad_input(ctx: _Context) -> str:
+    """Bad inputs raise (within the timeout); the executable then still answers a good batch."""
+    exe = ctx.load()
+    abandoned = False
+    try:
+        problems: list[str] = []
+        tried: list[str] = []
+        rows = min(4, max(ctx.case.batch_sizes))
+        reference = Reference(ctx.case.artifact)
+        for what, feed, correct_ok in _bad_feeds(ctx.case):
+            if not reference.refuses(feed):
+                continue
+            tried.append(what)
+            try:
+                out = await ctx.infer(exe, feed, what)
+            except Hung as exc:
+                abandoned = True
+                raise CheckFailed(f"hung on bad input: {exc}") from None
+            except Exception:
+                continue
+            if correct_ok and ctx.compare(rows, out) is None:
+                continue
+            shapes = {k: getattr(v, "shape", None) for k, v in out.items()} if isinstance(out, Mapping) else out
+            problems.append(f"{what}: returned {shapes} instead of raising")
+        if problems:
+            raise CheckFailed(f"{len(problems)} of {len(tried)} bad inputs answered; first: {problems[0]}")
+        after = await ctx.infer(exe, ctx.case.feeds[rows], "a good batch after bad ones")
+        if why := ctx.compare(rows, after):
+            raise CheckFailed(f"after the bad inputs, a good batch is wrong: {why}")
+        return f"raised on {len(tried)} bad inputs ({'; '.join(tried)}), then answered a good batch correctly"
+    finally:
+        if not abandoned:
+            ctx.close(exe)
+
+
+_NUMBER = re.compile(r"\d")
+
+
+async def check_does_not_fit(ctx: _Context) -> str:
+    art = ctx.case.artifact
+    memory = max(1, art.param_bytes // 4)
+    tiny = dataclasses.replace(ctx.spec, name=f"{ctx.spec.name}/tiny", memory_bytes=memory)
+    try:
+        exe = ctx.load(tiny)
+    except DoesNotFit as exc:
+        message = str(exc)
+        if len(_NUMBER.findall(message)) < 2:
+            raise CheckFailed(f"DoesNotFit raised, but its message quotes no sizes: {message!r}") from None
+        return f"DoesNotFit: {message}"
+    except Hung:
+        raise
+    except Exception as exc:
+        raise CheckFailed(f"raised {type(exc).__name__} instead of DoesNotFit on a device with "
+                          f"{memory} B for {art.param_bytes} B of weights: {exc}") from None
+    ctx.close(exe)
+    raise CheckFailed(f"loaded a partition with {format_bytes(art.param_bytes)} of weights on a device with "
+                      f"{format_bytes(memory)} of memory; load() must raise DoesNotFit")
+
+
+async def check_close(ctx: _Context) -> str:
+    exe = ctx.main
+    assert exe is not None
+    ctx.main = None
+    ctx.close(exe)
+    try:
+        ctx.close(exe)
+    except Hung:
+        raise
+    except Exception as exc:
+        raise CheckFailed(f"a second close() raised {type(exc).__name__}: {exc} (close must be idempotent)") from None
+    rows = min(ctx.case.batch_sizes)
+    try:
+        out = await ctx.infer(exe, ctx.case.feeds[rows], "infer() after close()")
+    except Hung:
+        raise
+    except Exception as exc:
+        return f"close() twice without error; infer() after close raised {type(exc).__name__}"
+    finally:
+        try:
+            ctx.close(exe)  # the infer may have started a new worker thread
+        except Exception:
+            pass
+    raise CheckFailed(f"infer() after close() answered ({type(out).__name__}) instead of raising")
+
+
+_CHECK_FNS: dict[str, Callable[[_Context], Awaitable[str]]] = {
+    "load": check_load, "memory": check_memory, "outputs": check_outputs, "concurrency": check_concurrency,
+    "bad-input": check_bad_input, "does-not-fit": check_does_not_fit, "close": check_close,
+}
+_NEEDS_MAIN = {"memory", "outputs", "concurrency", "close"}
+
+
+# -- the runner ---------------------------------------------------------------------------------------
+
+
+def _backend(backend: str | Backend, options: Mapping[str, Any]) -> tuple[Backend, str]:
+    if isinstance(backend, Backend):
+        if options:
+            raise ValueError("options are for a backend given by name; configure an instance yourself")
+        return backend, getattr(backend, "name", type(backend).__name__)
+    from ..registry import get_backend
+    return get_backend(backend, **options), backend
+
+
+async def _run_case(backend: Backend, case: Case, spec: DeviceSpec, checks: Sequence[str], timeout_s: float,
+                    atol: float, report: ConformanceReport) -> None:
+    ctx = _Context(backend, case, spec, timeout_s, atol, report)
+    try:
+        for name in ("load", *[c for c in checks if c != "load"]):
+            if name in _NEEDS_MAIN and ctx.main is None:
+                report.results.append(CheckResult(case.name, name, "skip", 0.0, "not run: load failed"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                detail = await _CHECK_FNS[name](ctx)
+                outcome = "pass"
+            except CheckFailed as exc:
+                detail, outcome = str(exc), "fail"
+            except Exception as exc:
+                detail, outcome = f"raised {type(exc).__name__}: {exc}", "fail"
+            report.results.append(CheckResult(case.name, name, outcome, time.perf_counter() - t0, detail))  # type: ignore[arg-type]
+    finally:
+        if ctx.main is not None:
+            try:
+                ctx.close(ctx.main)
+            except Exception:
+                pass
+
+
+async def run_conformance_async(backend: str | Backend, *, models: Iterable[str] = DEFAULT_MODELS,
+                                cases: Iterable[Case] | None = None, max_batch: int = 64, max_rows: int = 200,
+                                card_spec: str | DeviceSpec = "m2-card", options: Mapping[str, Any] | None = None,
+                                checks: Iterable[str] | None = None, timeout_s: float = 10.0,
+                                atol: float = 1e-4, seed: int = 0) -> ConformanceReport:
+    """``run_conformance`` for callers already on an event loop."""
+    options = dict(options or {})
+    checks = list(checks) if checks is not None else list(CHECKS)
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown check(s) {', '.join(unknown)}; known: {', '.join(CHECKS)}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    instance, name = _backend(backend, options)
+    spec = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
+    case_list = list(cases) if cases is not None else builtin_cases(
+        list(models), max_batch=max_batch, max_rows=max_rows, seed=seed)
+    report = ConformanceReport(backend=name, options=options, device=spec.name)
+    for case in case_list:
+        await _run_case(instance, case, spec, [c for c in CHECKS if c in checks], timeout_s, atol, report)
+    return report
+
+
+def run_conformance(backend: str | Backend, **kwargs: Any) -> ConformanceReport:
+    """Check ``backend`` (a registered name, or an instance) against ONNX Runtime; see the package docstring.
+
+    Keyword arguments: ``models`` (zoo names, default rm2 and dlrm-mlperf),
+    ``cases`` (your own ``Case`` list instead), ``max_batch`` (64: batch sizes
+    1..max_batch), ``max_rows`` (200: rows per embedding table when building
+    the models), ``card_spec`` (device spec name, path or DeviceSpec; default
+    m2-card), ``options`` (backend options, for a name), ``checks`` (a subset
+    of CHECKS), ``timeout_s`` (10: per call into the backend), ``atol`` (1e-4),
+    ``seed``. Never raises for a wrong backend: the report says what failed.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_conformance_async(backend, **kwargs))
+    # NOTE: called from inside a running loop (a notebook, an async test): run on a fresh loop elsewhere.
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(run_conformance_async(backend, **kwargs))
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="conformance")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

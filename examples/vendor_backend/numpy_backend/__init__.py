@@ -1,0 +1,139 @@
+"""numpy-ref: an example out-of-tree sixfold backend that runs ONNX partitions on numpy.
+
+It stands in for a vendor's card runtime: ``load`` "compiles" the partition
+(here: builds an ``onnx.reference.ReferenceEvaluator``, numpy all the way
+down) after checking it fits the device; ``run`` checks its inputs and
+executes. It is slow next to ONNX Runtime and exact enough to pass the
+conformance kit (``python -m backends.conformance numpy-ref``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from backends import Backend, BackendError, DeviceSpec, Executable, PartitionArtifact, check_fits
+from backends.options import reject_unknown
+
+__all__ = ["NumpyRefBackend", "NumpyRefExecutable"]
+
+_DTYPES = {1: np.float32, 6: np.int32, 7: np.int64, 10: np.float16, 11: np.float64}  # onnx TensorProto codes
+
+
+class NumpyRefExecutable(Executable):
+    """One partition "on the card": a ReferenceEvaluator plus the input contract it checks."""
+
+    def __init__(self, artifact: PartitionArtifact, device: DeviceSpec, evaluator: Any,
+                 contract: dict[str, tuple[Any, tuple[int | None, ...]]], weight_bytes: int,
+                 backend: "NumpyRefBackend") -> None:
+        super().__init__(artifact, device)
+        self._evaluator = evaluator
+        self._contract = contract
+        self._weight_bytes = weight_bytes
+        self._backend = backend
+
+    def _check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The partition's inputs, checked against the model's declared dtypes and shapes."""
+        feed: dict[str, np.ndarray] = {}
+        for name in self.input_names:
+            if name not in inputs:
+                raise BackendError(f"numpy-ref: partition {self.artifact.name}: missing input {name!r}; "
+                                   f"got {', '.join(sorted(inputs)) or 'none'}")
+            array = np.asarray(inputs[name])
+            dtype, shape = self._contract[name]
+            if dtype is not None and array.dtype != dtype:
+                raise BackendError(f"numpy-ref: input {name} is {array.dtype}, the partition takes {np.dtype(dtype)}")
+            if len(shape) != array.ndim or any(d is not None and d != a for d, a in zip(shape, array.shape)):
+                want = "x".join("?" if d is None else str(d) for d in shape)
+                raise BackendError(f"numpy-ref: input {name} has shape {array.shape}, the partition takes [{want}]")
+            feed[name] = array
+        return feed
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        evaluator = self._evaluator
+        if evaluator is None:
+            raise BackendError(f"numpy-ref: partition {self.artifact.name} on {self.device.name} is closed")
+        feed = self._check(inputs)
+        try:
+            values = evaluator.run(list(self.output_names), feed)
+        except Exception as exc:
+            raise BackendError(f"numpy-ref failed on partition {self.artifact.name}: {type(exc).__name__}: {exc}") from exc
+        return {n: np.asarray(v) for n, v in zip(self.output_names, values)}
+
+    def memory_bytes(self) -> int:
+        return self._weight_bytes
+
+    def close(self) -> None:
+        """Free the evaluator and give this partition's memory back to its device (idempotent)."""
+        super().close()
+        if self._evaluator is not None:
+            self._evaluator = None
+            self._backend._release(self.device.name, self._weight_bytes)
+
+
+class NumpyRefBackend(Backend):
+    """ONNX partitions on numpy through ``onnx.reference.ReferenceEvaluator``.
+
+    No options. Memory is budgeted per device name: partitions loaded on one
+    device share its ``memory_bytes``, and ``close()`` gives a share back.
+    """
+
+    name = "numpy-ref"
+    formats = ("onnx",)
+
+    def __init__(self, **options: Any) -> None:
+        reject_unknown(self.name, options, ())
+        super().__init__()
+        self._lock = threading.Lock()
+        self._used: dict[str, int] = {}
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            from onnx.reference import ReferenceEvaluator  # noqa: F401
+        except ImportError as exc:
+            return False, f"onnx.reference is not importable: {exc}"
+        return True, ""
+
+    def load(self, artifact: PartitionArtifact, device: DeviceSpec) -> NumpyRefExecutable:
+        if not self.supports(artifact):
+            raise BackendError(f"numpy-ref takes onnx partitions; partition {artifact.name} is {artifact.format!r}")
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        try:
+            model = (onnx.load_model_from_string(bytes(artifact.payload))
+                     if isinstance(artifact.payload, (bytes, bytearray, memoryview)) else onnx.load(str(artifact.payload)))
+        except Exception as exc:
+            raise BackendError(f"numpy-ref could not read partition {artifact.name}: {exc}") from exc
+        weights = sum(int(onnx.numpy_helper.to_array(t).nbytes) for t in model.graph.initializer)
+        need = max(weights, artifact.param_bytes)
+        with self._lock:  # reserve before compiling: refuse at load, quoting both numbers
+            used = self._used.get(device.name, 0)
+            check_fits(dataclasses.replace(artifact, param_bytes=need), device, device.memory_bytes - used)
+            self._used[device.name] = used + need
+        try:
+            evaluator = ReferenceEvaluator(model)
+            contract = {vi.name: _contract(vi) for vi in model.graph.input}
+            missing = [n for n in artifact.input_names if n not in contract]
+            if missing:
+                raise BackendError(f"numpy-ref: partition {artifact.name}: inputs {missing} not in the model")
+        except BaseException:
+            self._release(device.name, need)
+            raise
+        return NumpyRefExecutable(artifact, device, evaluator, contract, need, self)
+
+    def _release(self, device_name: str, nbytes: int) -> None:
+        with self._lock:
+            self._used[device_name] = max(0, self._used.get(device_name, 0) - nbytes)
+
+
+def _contract(value_info: Any) -> tuple[Any, tuple[int | None, ...]]:
+    """(numpy dtype or None, dims with None for symbolic ones) from an ONNX graph input."""
+    tensor = value_info.type.tensor_type
+    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+    return _DTYPES.get(tensor.elem_type), dims

@@ -1,0 +1,125 @@
+"""The example vendor package, installed the way a vendor's users would: discovered, conformant, servable."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as tc
+
+import models
+from backends import registry
+from backends.conformance import run_conformance
+from tests.conftest import triton_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "vendor_backend"
+BIN = Path(sys.executable).parent
+
+
+def _install(source: Path, target: Path) -> None:
+    """pip install the package at ``source`` into ``target`` (offline: no deps, no build isolation)."""
+    build = target.parent / f"{target.name}-src"
+    shutil.copytree(source, build, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-input", "--disable-pip-version-check", "--target", str(target), str(build)],
+                   check=True, capture_output=True, text=True, timeout=120)
+
+
+def _env(path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != registry.BACKENDS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(path), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    target = tmp_path_factory.mktemp("vendor") / "site"
+    _install(EXAMPLE, target)
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    try:
+        yield target
+    finally:
+        sys.path.remove(str(target))
+        sys.modules.pop("numpy_backend", None)
+        importlib.invalidate_caches()
+        registry.discover(reload=True)
+
+
+def test_registry_discovers_the_installed_package(installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(registry.BACKENDS_ENV, raising=False)
+    infos = registry.discover(reload=True)
+    info = infos["numpy-ref"]
+    assert info.status == "ok" and info.value == "numpy_backend:NumpyRefBackend"
+    assert Path(sys.modules["numpy_backend"].__file__).is_relative_to(installed)
+    assert "numpy-ref" in registry.describe()
+
+
+def test_it_passes_the_kit(installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(registry.BACKENDS_ENV, raising=False)
+    registry.discover(reload=True)
+    report = run_conformance("numpy-ref", models=("rm2",), max_batch=12)
+    assert report.passed, [(r.check, r.detail) for r in report.failures]
+
+
+def test_a_broken_copy_fails_the_kit(tmp_path: Path) -> None:
+    source = tmp_path / "broken-src"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    module = source / "numpy_backend" / "__init__.py"
+    text = module.read_text()
+    good = "return {n: np.asarray(v) for n, v in zip(self.output_names, values)}"
+    assert good in text
+    module.write_text(text.replace(good, "return {n: np.asarray(v) + np.float32(1e-2) for n, v in "
+                                         "zip(self.output_names, values)}"))
+    target = tmp_path / "site"
+    _install(source, target)
+    proc = subprocess.run([sys.executable, "-m", "backends.conformance", "numpy-ref", "--models", "rm2",
+                           "--max-batch", "4", "--checks", "outputs"],
+                          env=_env(target), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and "differs from onnxruntime" in proc.stdout
+
+
+def test_sixfold_serve_runs_it(installed: Path) -> None:
+    proc = subprocess.Popen([str(BIN / "sixfold-serve"), "--backend", "numpy-ref", "--model", "rm2",
+                             "--max-rows", "500", "--cards", "2", "--grpc-port", "0", "--metrics-port", "-1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(installed),
+                            cwd=ROOT)
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("READY grpc="):
+                url.append(line.split("=", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        ready.wait(120)
+        assert url, "".join(lines)
+        request = models.RequestGenerator.for_config(models.get_config("rm2", max_rows=500), seed=3).make(5)
+        with tc.InferenceServerClient(url[0]) as client:
+            scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
+            assert scores.shape == (5, 1) and ((scores > 0) & (scores < 1)).all()
+            config = client.get_model_metadata("rm2", as_json=True)
+            assert config["name"] == "rm2"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+        assert "2 numpy-ref cards" in " ".join("".join(lines).split())  # rich may wrap the line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
