@@ -180,8 +180,6 @@ class HostEmbeddingStage:
 
     def _build_group(self, precision: str, members: list[int], arrays: list[np.ndarray],
                      files: list[Path]) -> _Group:
-        import torch
-
         offsets = np.concatenate([[0], np.cumsum([self.table_rows[t] for t in members])[:-1]]).tolist()
         if len(members) == 1 and precision == "fp32":
             a = arrays[members[0]]

@@ -7,27 +7,38 @@ scheduled time, so a stalled server shows its stall (no coordinated omission).
     from loadgen import LoadConfig, run_load
     report = run_load(LoadConfig(url="127.0.0.1:8001", model="rm2", qps=100, duration_s=30))
     report.write_json("run.json"); print(report.latency_ms["p99"])
+
+Also closed loop (``LoadConfig(concurrency=N)``), ``find_max_qps`` (highest QPS
+under a p99 target), record/replay (``record_path``/``replay_path``) and
+perf_analyzer input-data export.
 """
 
 from __future__ import annotations
 
-from .arrivals import ArrivalProcess, ConstantArrivals, PoissonArrivals, parse_arrival
+from .arrivals import (ArrivalProcess, BurstyArrivals, ConstantArrivals, DiurnalArrivals, PoissonArrivals,
+                       TraceArrivals, parse_arrival)
 from .clock import Clock, MonotonicClock
 from .config import LoadConfig
-from .driver import OpenLoopDriver
+from .driver import ClosedLoopDriver, OpenLoopDriver
+from .export import export_perf_analyzer_async, write_perf_analyzer_json
 from .errors import LoadgenError
 from .record import RunRecord
+from .recording import Recording, load_recording, save_recording
 from .report import Report, print_report
-from .runner import plan_run, run_load, run_load_async, summarize
-from .schedule import QueryPool, Schedule, build_schedule
+from .runner import Target, drive, plan_run, run_load, run_load_async, summarize
+from .schedule import QueryPool, Schedule, build_schedule, shift_ids
+from .sweep import SweepConfig, find_max_qps, find_max_qps_async
 from .target import ModelShape, ShapeOverrides, discover_shape, shape_from, wait_until_ready
 from .transport import RawGrpcTransport, RequestFailed, TritonClientTransport, Transport
 
 __all__ = [
     "LoadConfig", "run_load", "run_load_async", "Report", "print_report", "LoadgenError",
-    "ArrivalProcess", "PoissonArrivals", "ConstantArrivals", "parse_arrival",
-    "Clock", "MonotonicClock", "OpenLoopDriver", "RunRecord", "summarize", "plan_run",
-    "Schedule", "QueryPool", "build_schedule",
+    "ArrivalProcess", "PoissonArrivals", "ConstantArrivals", "BurstyArrivals", "DiurnalArrivals",
+    "TraceArrivals", "parse_arrival",
+    "Clock", "MonotonicClock", "OpenLoopDriver", "ClosedLoopDriver", "RunRecord", "summarize", "plan_run",
+    "Target", "drive", "Schedule", "QueryPool", "build_schedule", "shift_ids",
+    "SweepConfig", "find_max_qps", "find_max_qps_async",
+    "Recording", "save_recording", "load_recording", "write_perf_analyzer_json", "export_perf_analyzer_async",
     "ModelShape", "ShapeOverrides", "discover_shape", "shape_from", "wait_until_ready",
     "Transport", "RawGrpcTransport", "TritonClientTransport", "RequestFailed",
 ]

@@ -1,4 +1,8 @@
-"""``sixfold-loadgen``: open-loop load against a KServe v2 server, a JSON report, a table.
+"""``sixfold-loadgen``: load against a KServe v2 server, a JSON report, a table, plots.
+
+Modes: open loop at ``--qps`` (default), closed loop (``--concurrency N``),
+``--find-max-qps`` (a search over open-loop rates), ``--replay`` of a
+``--record``-ed run, and ``--export-perf-analyzer`` (write queries, send nothing).
 
 Exit status: 0 after a run (even one with request errors: the report says),
 1 when the run could not happen (unreachable server, unknown model, unusable
@@ -8,15 +12,16 @@ signature), 2 for bad arguments. Errors are one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 
 from rich.console import Console
 
-from .config import LoadConfig, parse_int_list
+from .arrivals import ARRIVAL_FORMS
+from .config import LoadConfig, parse_float_list, parse_int_list
 from .errors import LoadgenError
-from .report import print_report
-from .runner import run_load
+from .report import Report, print_report
 
 __all__ = ["main", "build_parser"]
 
@@ -24,23 +29,31 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sixfold-loadgen",
-        description="Open-loop load for recommendation models over KServe v2 gRPC. Requests go out on "
-                    "a schedule (Poisson by default) whatever the server does; latency is measured from "
-                    "each request's scheduled time.")
+        description="Load for recommendation models over KServe v2 gRPC. Open loop by default: requests go "
+                    "out on a schedule (Poisson by default) whatever the server does; latency is measured from "
+                    "each request's scheduled time. See docs/loadgen.md.")
     p.add_argument("--url", required=True, help="server as HOST:PORT (gRPC), e.g. 127.0.0.1:8001")
     p.add_argument("--model", required=True, help="model name on the server")
     p.add_argument("--model-version", default="", help="model version (default: the server's choice)")
-    p.add_argument("--qps", type=float, required=True, help="target queries per second (offered load)")
-    p.add_argument("--duration", type=float, required=True, help="measured window in seconds")
-    p.add_argument("--arrival", default="poisson", help="arrival process: poisson (default) or constant")
+    p.add_argument("--qps", type=float, default=None,
+                   help="target queries per second (offered load); required for open-loop runs except "
+                        "with --arrival trace:... (the trace's rate)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="measured window in seconds (required except with --replay, --find-max-qps, "
+                        "--export-perf-analyzer)")
+    p.add_argument("--arrival", default="poisson", help=f"arrival process: {ARRIVAL_FORMS} (default poisson)")
     p.add_argument("--query-size", default="mlperf",
-                   help="items per query: mlperf (100..700, default) or fixed:N")
-    p.add_argument("--report", required=True, help="path of the JSON report to write")
-    p.add_argument("--plot", default=None, help="also draw the timeline to this PNG file")
+                   help="items per query: mlperf (100..700, default), fixed:N, uniform:A-B, "
+                        "lognormal:MEAN,SIGMA or file:PATH")
+    p.add_argument("--report", default=None, help="path of the JSON report to write (required for runs)")
+    p.add_argument("--plot", default=None,
+                   help="PNG plots: a PATH.png (main plot there, others as PATH-cdf.png, ...) or a PREFIX "
+                        "(PREFIX-timeline.png, PREFIX-cdf.png, PREFIX-sweep.png)")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals, sizes and contents (default 0)")
     p.add_argument("--max-requests", type=int, default=None, help="send at most this many requests")
     p.add_argument("--warmup", type=float, default=0.0,
-                   help="seconds of traffic before the measured window, left out of the stats")
+                   help="seconds of traffic before the measured window (each step's, for --find-max-qps), "
+                        "left out of the stats")
     p.add_argument("--wait-ready", type=float, default=30.0,
                    help="wait up to this many seconds for ServerReady/ModelReady (default 30)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
@@ -54,30 +67,91 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", default=None,
                    help="mean ids per item and table: P or P1,P2,...; overrides sixfold.pooling (default 1)")
     p.add_argument("--dense-dim", type=int, default=None, help="dense features per item (overrides metadata)")
-    p.add_argument("--zipf", type=float, default=None, help="id popularity power-law exponent (default 1.05)")
+    p.add_argument("--zipf", default=None,
+                   help="id popularity power-law exponent: S for all tables or S1,S2,... per table (default: "
+                        "the server's sixfold.zipf, else 1.05)")
+    p.add_argument("--id-drift", type=float, default=0.0,
+                   help="popular ids rotate by this fraction of each table per second (default 0: fixed)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: keep N requests outstanding for --duration (or --max-requests)")
     p.add_argument("--client", choices=("raw", "tritonclient"), default="raw",
                    help="raw: requests pre-serialized, sent on a gRPC channel (default); "
                         "tritonclient: every request through InferenceServerClient.infer")
     p.add_argument("--lag-threshold-ms", type=float, default=5.0,
                    help="a send later than this counts as the generator falling behind (default 5)")
+    search = p.add_argument_group("find-max-qps (highest QPS whose p99 meets a target)")
+    search.add_argument("--find-max-qps", action="store_true", help="sweep then binary-search the offered QPS")
+    search.add_argument("--p99-ms", type=float, default=None, help="the p99 latency target in ms (required)")
+    search.add_argument("--min-qps", type=float, default=10.0, help="first step's QPS (default 10)")
+    search.add_argument("--max-qps", type=float, default=10_000.0, help="highest QPS tried (default 10000)")
+    search.add_argument("--step-duration", type=float, default=10.0, help="measured seconds per step (default 10)")
+    search.add_argument("--tolerance", type=float, default=0.05,
+                        help="stop when pass and fail rates are within this fraction (default 0.05)")
+    search.add_argument("--max-steps", type=int, default=16, help="at most this many steps (default 16)")
+    search.add_argument("--max-error-rate", type=float, default=0.0,
+                        help="a step with more failed requests than this fraction fails (default 0)")
+    traces = p.add_argument_group("record, replay, export")
+    traces.add_argument("--record", default=None, metavar="PATH",
+                        help="save what was sent, when and what came back to PATH (.npz; see docs)")
+    traces.add_argument("--replay", default=None, metavar="PATH",
+                        help="send a recorded run's tensors on its schedule (ignores --qps, --arrival, sizes)")
+    traces.add_argument("--export-perf-analyzer", default=None, metavar="PATH",
+                        help="write the queries as perf_analyzer --input-data JSON (first --max-requests, "
+                             "else --pool of them) and exit")
     p.add_argument("--quiet", action="store_true", help="no live progress and no table")
     return p
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
+    rate_free = args.concurrency is not None or args.replay or args.arrival.strip().lower().startswith("trace:")
+    if args.qps is None and not (rate_free or args.find_max_qps or args.export_perf_analyzer):
+        raise ValueError("--qps is required (or give --concurrency, --find-max-qps, --replay, "
+                         "or --arrival trace:PATH)")
+    if args.duration is None and not (args.replay or args.find_max_qps or args.export_perf_analyzer):
+        raise ValueError("--duration is required (except with --replay, --find-max-qps, --export-perf-analyzer)")
+    if args.report is None and not args.export_perf_analyzer:
+        raise ValueError("--report PATH is required")
+    if args.find_max_qps and args.p99_ms is None:
+        raise ValueError("--find-max-qps needs --p99-ms (the p99 latency target)")
+    zipf = parse_float_list(args.zipf, "--zipf") if args.zipf else None
+    qps = args.qps
+    if qps is None:
+        # NOTE: a search sets each step's rate; an export only needs the queries' order (nominal rate).
+        qps = 0.0 if rate_free else (args.min_qps if args.find_max_qps else 100.0)
+    duration = args.duration if args.duration is not None else (args.step_duration if args.find_max_qps else 10.0)
     return LoadConfig(
-        url=args.url, model=args.model, model_version=args.model_version, qps=args.qps,
-        duration_s=args.duration, arrival=args.arrival, query_size=args.query_size, seed=args.seed,
+        url=args.url, model=args.model, model_version=args.model_version, qps=qps,
+        duration_s=duration, arrival=args.arrival, query_size=args.query_size, seed=args.seed,
         max_requests=args.max_requests, warmup_s=args.warmup, wait_ready_s=args.wait_ready,
         drain_timeout_s=args.drain_timeout, pool=args.pool,
         table_rows=parse_int_list(args.table_rows, "--table-rows") if args.table_rows else None,
         pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
-        dense_dim=args.dense_dim, zipf=args.zipf, client=args.client, lag_threshold_ms=args.lag_threshold_ms)
+        dense_dim=args.dense_dim, zipf=zipf[0] if zipf and len(zipf) == 1 else zipf,
+        id_drift=args.id_drift, concurrency=args.concurrency, record_path=args.record, replay_path=args.replay,
+        client=args.client, lag_threshold_ms=args.lag_threshold_ms)
 
 
 def _fail(message: str, code: int) -> int:
     print(f"sixfold-loadgen: error: {' '.join(str(message).split())}", file=sys.stderr)
     return code
+
+
+def _run(args: argparse.Namespace, config: LoadConfig, console: Console | None) -> Report | None:
+    if args.export_perf_analyzer:
+        from .export import export_perf_analyzer_async
+        path, count = asyncio.run(export_perf_analyzer_async(config, args.export_perf_analyzer))
+        if console is not None:
+            console.print(f"wrote {count} queries as perf_analyzer input data: {path}", markup=False,
+                          highlight=False)
+        return None
+    if args.find_max_qps:
+        from .sweep import SweepConfig, find_max_qps
+        sweep = SweepConfig(p99_ms=args.p99_ms, min_qps=args.min_qps, max_qps=args.max_qps,
+                            step_duration_s=args.step_duration, tolerance=args.tolerance,
+                            max_steps=args.max_steps, max_error_rate=args.max_error_rate)
+        return find_max_qps(config, sweep, console=console)
+    from .runner import run_load
+    return run_load(config, console=console)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,20 +163,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), 2)
     console = Console()
     try:
-        report = run_load(config, console=None if args.quiet else console)
+        report = _run(args, config, None if args.quiet else console)
     except ValueError as exc:
         return _fail(str(exc), 2)
     except LoadgenError as exc:
         return _fail(str(exc), 1)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    if report is None:
+        return 0
     path = report.write_json(args.report)
+    plots = []
     if args.plot:
-        from .plot import plot_report
-        plot_report(report, args.plot)
+        from .plot import plot_all
+        plots = plot_all(report, args.plot)
     if not args.quiet:
         print_report(report, console)
-        console.print(f"report: {path}" + (f", plot: {args.plot}" if args.plot else ""),
+        if report.sweep is not None:
+            from .sweep import print_sweep
+            print_sweep(report, console)
+        console.print(f"report: {path}" + (f", plots: {', '.join(map(str, plots))}" if plots else "")
+                      + (f", recording: {report.recording}" if report.recording else ""),
                       markup=False, highlight=False)
     return 0
 

@@ -10,10 +10,12 @@ from models.requests import parse_query_sizes
 
 from .arrivals import parse_arrival
 
-__all__ = ["LoadConfig", "parse_int_list", "REQUEST_LIMIT"]
+__all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES"]
 
 REQUEST_LIMIT = 10_000_000
 """Hard cap on requests in one run, so a typo in --qps cannot exhaust memory."""
+CLOSED_LOOP_QUERIES = 200_000
+"""A closed-loop run draws this many query assignments (fewer with max_requests) and cycles them."""
 
 
 def parse_int_list(spec: str, what: str) -> tuple[int, ...]:
@@ -27,6 +29,17 @@ def parse_int_list(spec: str, what: str) -> tuple[int, ...]:
     return values
 
 
+def parse_float_list(spec: str, what: str) -> tuple[float, ...]:
+    """``"1.05"`` or ``"1.05,0.9,..."`` -> positive floats; the error names the flag."""
+    try:
+        values = tuple(float(part) for part in spec.split(","))
+    except ValueError:
+        raise ValueError(f"bad {what} {spec!r}: expected a number or a comma-separated list of numbers") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"bad {what} {spec!r}: every value must be a finite number > 0")
+    return values
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """An open-loop run against one model of a KServe v2 server."""
@@ -35,13 +48,15 @@ class LoadConfig:
     """Server address as HOST:PORT (gRPC, no scheme)."""
     model: str
     qps: float
-    """Target offered load: mean requests (queries) per second."""
+    """Target offered load: mean requests (queries) per second. 0 means "not set", allowed only in
+    closed loop (``concurrency``), for ``trace:`` arrivals (the trace's own rate) and for ``replay``."""
     duration_s: float
     """Length of the measured window; warmup comes before it."""
     arrival: str = "poisson"
-    """Arrival process: ``poisson`` or ``constant``."""
+    """Arrival process: ``poisson``, ``constant``, ``bursty:...``, ``diurnal:...``, ``trace:PATH`` (see arrivals)."""
     query_size: str = "mlperf"
-    """Items per query: ``mlperf`` (100..700, MLPerf DLRM quantiles) or ``fixed:N``."""
+    """Items per query: ``mlperf`` (100..700, MLPerf DLRM quantiles), ``fixed:N``, ``uniform:A-B``,
+    ``lognormal:MEAN,SIGMA`` or ``file:PATH``."""
     model_version: str = ""
     seed: int = 0
     """Seeds arrivals, query sizes and request contents: the same seed gives the same run."""
@@ -61,8 +76,16 @@ class LoadConfig:
     """Mean ids per (item, table) (one value for all, or one per table); overrides the server's."""
     dense_dim: int | None = None
     """Dense features per item; overrides the model metadata."""
-    zipf: float | None = None
-    """Power-law exponent of id popularity; overrides the server's (default 1.05)."""
+    zipf: float | tuple[float, ...] | None = None
+    """Power-law exponent of id popularity (one, or one per table); overrides the server's (default 1.05)."""
+    id_drift: float = 0.0
+    """Popular ids rotate by this fraction of each table per second of schedule time (0: fixed hot set)."""
+    concurrency: int | None = None
+    """Closed loop: keep exactly this many requests outstanding (``qps`` and ``arrival`` are then unused)."""
+    record_path: str | None = None
+    """Write what was sent, when, and what came back to this ``.npz`` (see loadgen.recording)."""
+    replay_path: str | None = None
+    """Send the schedule and tensors of a recorded run instead of drawing new ones."""
     client: Literal["raw", "tritonclient"] = "raw"
     """``raw``: requests serialized once before the clock starts, sent on a gRPC channel;
     ``tritonclient``: every request goes through ``InferenceServerClient.infer``."""
@@ -74,10 +97,16 @@ class LoadConfig:
             raise ValueError(f"bad url {self.url!r}: expected HOST:PORT (gRPC, no scheme), e.g. 127.0.0.1:8001")
         if not self.model:
             raise ValueError("a model name is required")
-        for name in ("qps", "duration_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ValueError(f"duration_s must be a finite number > 0, got {self.duration_s}")
+        rate_free = self.concurrency is not None or self.replay_path is not None \
+            or self.arrival.strip().lower().startswith("trace:")
+        if not (math.isfinite(self.qps) and (self.qps > 0 or (rate_free and self.qps == 0))):
+            raise ValueError(f"qps must be a finite number > 0, got {self.qps}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not (math.isfinite(self.id_drift) and 0 <= self.id_drift <= 1):
+            raise ValueError(f"id_drift must be in [0, 1] (a fraction of each table per second), got {self.id_drift}")
         for name in ("warmup_s", "wait_ready_s", "drain_timeout_s", "lag_threshold_ms"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -90,19 +119,23 @@ class LoadConfig:
             raise ValueError(f"dense_dim must be >= 1, got {self.dense_dim}")
         if self.client not in ("raw", "tritonclient"):
             raise ValueError(f"bad client {self.client!r}: expected 'raw' or 'tritonclient'")
-        parse_arrival(self.arrival)
-        parse_query_sizes(self.query_size)
-        expected = self.qps * (self.warmup_s + self.duration_s)
+        if self.replay_path is None:
+            parse_query_sizes(self.query_size)
+        if self.concurrency is not None or self.replay_path is not None:
+            return
+        arrival = parse_arrival(self.arrival)
+        rate = self.qps or getattr(arrival, "mean_qps", lambda: 0.0)()
+        expected = rate * (self.warmup_s + self.duration_s)
         bound = min(expected, self.max_requests or expected)
         if bound > REQUEST_LIMIT:
-            raise ValueError(f"{self.qps:g} qps for {self.warmup_s + self.duration_s:g} s is ~{expected:,.0f} "
+            raise ValueError(f"{rate:g} qps for {self.warmup_s + self.duration_s:g} s is ~{expected:,.0f} "
                              f"requests, over the limit of {REQUEST_LIMIT:,}; lower --qps/--duration "
                              f"or set --max-requests")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready parameters, recorded in the report."""
         data = asdict(self)
-        for key in ("table_rows", "pooling"):
-            if data[key] is not None:
+        for key in ("table_rows", "pooling", "zipf"):
+            if isinstance(data[key], tuple):
                 data[key] = list(data[key])
         return data

@@ -18,11 +18,27 @@ from .clock import Clock, MonotonicClock
 from .record import RunRecord
 from .transport import RequestFailed
 
-__all__ = ["OpenLoopDriver", "SendFn", "TIMEOUT"]
+__all__ = ["OpenLoopDriver", "ClosedLoopDriver", "SendFn", "TIMEOUT"]
 
 SendFn = Callable[[int], Awaitable[None]]
 """Sends request number ``i``; raises ``RequestFailed`` (or anything) if it failed."""
 TIMEOUT = "timeout"
+
+
+async def _attempt(send: SendFn, record: RunRecord, i: int, clock: Clock) -> None:
+    """Send request ``i`` and record how it ended (it has been marked sent)."""
+    try:
+        await send(i)
+    except asyncio.CancelledError:
+        # NOTE: only the drain deadline (or the run's own cancellation) cancels a
+        # request; either way it got no answer in time.
+        record.mark_error(i, clock.now() - record.t0, TIMEOUT)
+    except RequestFailed as exc:
+        record.mark_error(i, clock.now() - record.t0, exc.reason)
+    except Exception as exc:  # noqa: BLE001 - a client bug still counts, never kills the run
+        record.mark_error(i, clock.now() - record.t0, f"client_{type(exc).__name__}")
+    else:
+        record.mark_ok(i, clock.now() - record.t0)
 
 
 class OpenLoopDriver:
@@ -45,18 +61,7 @@ class OpenLoopDriver:
 
         async def one(i: int) -> None:
             record.mark_sent(i, clock.now() - record.t0)
-            try:
-                await self.send(i)
-            except asyncio.CancelledError:
-                # NOTE: only the drain deadline (or the run's own cancellation) cancels a
-                # request; either way it got no answer in time.
-                record.mark_error(i, clock.now() - record.t0, TIMEOUT)
-            except RequestFailed as exc:
-                record.mark_error(i, clock.now() - record.t0, exc.reason)
-            except Exception as exc:  # noqa: BLE001 - a client bug still counts, never kills the run
-                record.mark_error(i, clock.now() - record.t0, f"client_{type(exc).__name__}")
-            else:
-                record.mark_ok(i, clock.now() - record.t0)
+            await _attempt(self.send, record, i, clock)
 
         def settled(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -92,3 +97,53 @@ class OpenLoopDriver:
         finally:
             timer.cancel()
             waiter.cancel()
+
+
+class ClosedLoopDriver:
+    """Keeps ``concurrency`` requests outstanding: each of N workers sends, waits, sends again.
+
+    Closed loop measures what a server sustains at a fixed number of users
+    (like perf_analyzer's ``--concurrency-range``); its latency is from the
+    actual send (each request is "due" when its worker sends it). Workers stop
+    starting requests at ``window_s`` or after ``limit`` requests; requests
+    still open then get ``drain_timeout_s`` before they count as "timeout".
+    ``items_of(i)`` gives request ``i``'s item count (for the record).
+    """
+
+    def __init__(self, send: SendFn, items_of: Callable[[int], int], *, concurrency: int, window_s: float,
+                 limit: int | None = None, clock: Clock | None = None, drain_timeout_s: float = 10.0) -> None:
+        self.send, self.items_of = send, items_of
+        self.concurrency, self.window_s, self.limit = concurrency, window_s, limit
+        self.clock = clock or MonotonicClock()
+        self.drain_timeout_s = drain_timeout_s
+
+    async def run(self, record: RunRecord) -> RunRecord:
+        """Fill the (growing) ``record`` until the window or the limit ends; returns it trimmed."""
+        clock = self.clock
+        record.t0 = clock.now()
+        end = record.t0 + self.window_s
+
+        async def worker() -> None:
+            while True:
+                now = clock.now()
+                if now >= end or (self.limit is not None and record.size >= self.limit):
+                    return
+                i = record.add(now - record.t0, self.items_of(record.size))
+                record.mark_sent(i, now - record.t0)
+                await _attempt(self.send, record, i, clock)
+
+        loop = asyncio.get_running_loop()
+        workers = [loop.create_task(worker()) for _ in range(self.concurrency)]
+        timer = asyncio.ensure_future(clock.sleep_until(end + self.drain_timeout_s))
+        try:
+            await asyncio.wait({timer, *workers}, return_when=asyncio.FIRST_COMPLETED)
+            pending = {w for w in workers if not w.done()}
+            while pending and not timer.done():
+                await asyncio.wait({timer, *pending}, return_when=asyncio.FIRST_COMPLETED)
+                pending = {w for w in pending if not w.done()}
+        finally:
+            timer.cancel()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        return record.trim()

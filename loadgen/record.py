@@ -27,12 +27,43 @@ class RunRecord:
         self.order = np.zeros(n, dtype=np.int64)
         """Request numbers in completion order; the first ``finished`` entries are valid."""
         self.t0 = 0.0
+        self.size = n
+        """Requests in the record; the arrays may be longer (closed loop grows them, then trims)."""
         self.sent_count = 0
         self.finished = 0
         self.errors = 0
 
     def __len__(self) -> int:
-        return int(self.due.size)
+        return self.size
+
+    @classmethod
+    def growing(cls, capacity: int = 1024) -> "RunRecord":
+        """An empty record for a closed-loop run, whose requests are added as they go (``add``)."""
+        record = cls(np.full(max(1, capacity), np.nan), np.zeros(max(1, capacity), dtype=np.int64))
+        record.size = 0
+        return record
+
+    def add(self, due: float, items: int) -> int:
+        """Append a request due at ``due`` with ``items`` items; returns its number."""
+        i = self.size
+        if i == self.due.size:
+            grow = max(1024, i)
+            self.due = np.concatenate([self.due, np.full(grow, np.nan)])
+            self.items = np.concatenate([self.items, np.zeros(grow, dtype=np.int64)])
+            self.sent = np.concatenate([self.sent, np.full(grow, np.nan)])
+            self.done = np.concatenate([self.done, np.full(grow, np.nan)])
+            self.status = np.concatenate([self.status, np.zeros(grow, dtype=np.int8)])
+            self.order = np.concatenate([self.order, np.zeros(grow, dtype=np.int64)])
+        self.due[i], self.items[i] = due, items
+        self.size = i + 1
+        return i
+
+    def trim(self) -> "RunRecord":
+        """Cut the arrays to the requests really added (after a closed-loop run)."""
+        n = self.size
+        self.due, self.items, self.sent = self.due[:n], self.items[:n], self.sent[:n]
+        self.done, self.status, self.order = self.done[:n], self.status[:n], self.order[:n]
+        return self
 
     @property
     def in_flight(self) -> int:

@@ -5,7 +5,10 @@ p99, p999, max, mean, min}, ``achieved_qps``, ``items_per_s``, ``offered_qps``,
 ``scheduled_qps``, ``duration_s``, ``requests`` {sent, ok, errors, ...},
 ``query_size`` {mean, p50, max, ...}, ``send_lag_ms`` {p50, p99, max, late,
 threshold_ms}, ``errors_by_reason``, ``config``, ``target``, ``timeline``
-[{t, sent, ok, errors, p50_ms, p99_ms}], ``warnings``.
+[{t, sent, ok, errors, p50_ms, p99_ms}], ``warnings``, ``mode`` (open | closed |
+replay), ``concurrency``, ``latency_cdf_ms`` [[percentile, ms], ...], and for
+``--find-max-qps``: ``sweep`` [{qps, achieved_qps, p50_ms, p99_ms, errors, pass,
+...}] and ``max_qps_under_slo``; ``recording`` when the run was recorded.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     started_at: str = ""
     wall_s: float = 0.0
+    mode: str = "open"
+    """``open`` (scheduled arrivals), ``closed`` (``concurrency`` outstanding) or ``replay``."""
+    concurrency: int | None = None
+    latency_cdf_ms: list[list[float]] = field(default_factory=list)
+    """[[percentile, latency ms], ...] from 0 to 100, denser in the tail: enough to draw the CDF."""
+    sweep: list[dict[str, Any]] | None = None
+    """--find-max-qps: one row per step, in the order run."""
+    max_qps_under_slo: float | None = None
+    slo: dict[str, float] | None = None
+    recording: str | None = None
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,7 +91,11 @@ def print_report(report: Report, console: Console) -> None:
     table.add_column("value", justify="right")
     table.add_row("latency p50 / p90 / p99 (ms)", f"{_ms(lat['p50'])} / {_ms(lat['p90'])} / {_ms(lat['p99'])}")
     table.add_row("latency p99.9 / max (ms)", f"{_ms(lat['p999'])} / {_ms(lat['max'])}")
-    table.add_row("queries/s achieved (offered)", f"{report.achieved_qps:,.1f} ({report.offered_qps:,.1f})")
+    if report.mode == "closed":
+        table.add_row(f"queries/s achieved (closed loop, {report.concurrency} outstanding)",
+                      f"{report.achieved_qps:,.1f}")
+    else:
+        table.add_row("queries/s achieved (offered)", f"{report.achieved_qps:,.1f} ({report.offered_qps:,.1f})")
     table.add_row("items/s", f"{report.items_per_s:,.0f}")
     table.add_row("requests sent / ok / errors", Text(f"{req['sent']:,} / {req['ok']:,} / {req['errors']:,}",
                                                       style="bold red" if req["errors"] else ""))

@@ -2,11 +2,14 @@
 
 Everything slow or random (request generation, encoding, drawing arrivals and
 sizes) happens before the clock starts; the measured part is only the driver.
+The pieces (``Target``, ``plan_run``, ``drive``, ``summarize``) are public so
+that a sweep (``loadgen.sweep``) can run many steps over one connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as _dt
 import time
 from collections.abc import Callable
@@ -17,47 +20,90 @@ from rich.console import Console
 
 from models.requests import RequestGenerator, parse_query_sizes
 
-from .arrivals import parse_arrival
+from .arrivals import ConstantArrivals, TraceArrivals, parse_arrival
 from .clock import Clock, MonotonicClock
-from .config import LoadConfig
-from .driver import OpenLoopDriver
+from .config import CLOSED_LOOP_QUERIES, LoadConfig
+from .driver import ClosedLoopDriver, OpenLoopDriver
 from .progress import live_progress
 from .record import RunRecord
+from .recording import Recording, load_recording, save_recording
 from .report import Report
-from .schedule import Schedule, build_schedule
-from .stats import timeline, window_stats
+from .schedule import QueryPool, Schedule, build_schedule
+from .stats import latency_cdf, timeline, window_stats
 from .target import ModelShape, ShapeOverrides, discover_shape, wait_until_ready
 from .transport import Transport, make_client, make_transport
 
-__all__ = ["run_load", "run_load_async", "plan_run", "summarize"]
+__all__ = ["run_load", "run_load_async", "plan_run", "summarize", "drive", "Target", "resolve_config",
+           "schedule_from_recording", "generator_for"]
 
 ClientFactory = Callable[[str], Any]
 
 
-def plan_run(config: LoadConfig, shape: ModelShape, encode: Callable[[dict[str, np.ndarray]], Any]) -> Schedule:
-    """The schedule for ``config``: seeded arrivals and sizes, and the encoded query pool."""
+def generator_for(config: LoadConfig, shape: ModelShape) -> RequestGenerator:
+    """The seeded request generator for ``config`` and ``shape`` (contents: seed + 1)."""
+    return RequestGenerator(shape.table_rows, shape.dense_dim, shape.pooling, zipf=shape.zipf,
+                            seed=config.seed + 1)
+
+
+def resolve_config(config: LoadConfig, recording: Recording | None = None) -> LoadConfig:
+    """Fill in what ``config`` leaves to its inputs: the trace's rate, or a replayed run's window."""
+    if recording is not None:
+        recorded = recording.meta.get("config", {})
+        return dataclasses.replace(
+            config, qps=float(recorded.get("qps") or recording.meta.get("offered_qps") or 0.0),
+            duration_s=float(recorded.get("duration_s", config.duration_s)),
+            warmup_s=float(recorded.get("warmup_s", 0.0)), arrival="replay",
+            query_size=str(recorded.get("query_size", config.query_size)), concurrency=None, max_requests=None)
+    if config.concurrency is None and config.qps == 0:
+        arrival = parse_arrival(config.arrival)
+        if isinstance(arrival, TraceArrivals):
+            return dataclasses.replace(config, qps=round(arrival.mean_qps(), 6))
+    return config
+
+
+def plan_run(config: LoadConfig, shape: ModelShape, encode: Callable[[dict[str, np.ndarray]], Any], *,
+             keep_tensors: bool = False) -> Schedule:
+    """The schedule for ``config``: seeded arrivals and sizes, and the encoded query pool.
+
+    In closed loop the offsets are nominal (evenly spread over the window, used
+    only to slice drifting ids); the driver sends entry ``i % len`` as it goes.
+    """
     rng = np.random.default_rng(config.seed)
-    generator = RequestGenerator(shape.table_rows, shape.dense_dim, shape.pooling, zipf=shape.zipf,
-                                 seed=config.seed + 1)
-    return build_schedule(parse_arrival(config.arrival), config.qps, config.warmup_s + config.duration_s,
-                          parse_query_sizes(config.query_size), generator, encode,
-                          pool=config.pool, rng=rng, limit=config.max_requests)
+    window = config.warmup_s + config.duration_s
+    if config.concurrency is not None:
+        count = min(config.max_requests or CLOSED_LOOP_QUERIES, CLOSED_LOOP_QUERIES)
+        arrival, qps, limit = ConstantArrivals(), count / window, count
+    else:
+        arrival, qps, limit = parse_arrival(config.arrival), config.qps, config.max_requests
+    return build_schedule(arrival, qps, window, parse_query_sizes(config.query_size), generator_for(config, shape),
+                          encode, pool=config.pool, rng=rng, limit=limit, drift=config.id_drift,
+                          keep_tensors=keep_tensors)
+
+
+def schedule_from_recording(recording: Recording, encode: Callable[[dict[str, np.ndarray]], Any],
+                            *, keep_tensors: bool = False) -> Schedule:
+    """The recorded run's schedule: its due times, and the very tensors each request carried."""
+    pool = QueryPool(tuple(encode(t) for t in recording.tensors),
+                     np.asarray([t["dense_features"].shape[0] for t in recording.tensors], dtype=np.int64),
+                     recording.tensors if keep_tensors else None)
+    return Schedule(np.asarray(recording.due, dtype=np.float64), np.asarray(recording.query), pool)
 
 
 def _warnings(stats: dict[str, Any], config: LoadConfig, truncated: bool) -> list[str]:
     out = []
     lag, req = stats["send_lag_ms"], stats["requests"]
-    if lag["late"]:
+    if lag["late"] and config.concurrency is None:
         share = lag["late"] / max(1, req["sent"])
         head = "GENERATOR FELL BEHIND" if lag["p99"] > lag["threshold_ms"] else "note: generator was late"
         out.append(f"{head}: {lag['late']} of {req['sent']} requests ({share:.1%}) were sent more than "
                    f"{lag['threshold_ms']:g} ms after their scheduled time (send lag p99 {lag['p99']:.1f} ms, "
                    f"max {lag['max']:.1f} ms); latencies include that lag"
                    + ("; the load offered was not the target: give the loadgen its own CPU cores "
-                      "(e.g. taskset) or lower --qps" if head.startswith("GEN") else ""))
+                      "(e.g. taskset), lower --qps, or run several loadgens at a share of the rate each"
+                      if head.startswith("GEN") else ""))
     if req["unsent"]:
         out.append(f"{req['unsent']} scheduled requests were never sent (run interrupted)")
-    if req["ok"] and stats["achieved_qps"] < 0.95 * stats["scheduled_qps"]:
+    if config.concurrency is None and req["ok"] and stats["achieved_qps"] < 0.95 * stats["scheduled_qps"]:
         out.append(f"server kept up with only {stats['achieved_qps']:.1f} of {stats['scheduled_qps']:.1f} "
                    f"queries/s (answers took {stats['answer_span_s']:.1f} s for a {stats['window_s']:g} s window)")
     if truncated:
@@ -71,22 +117,96 @@ def summarize(record: RunRecord, config: LoadConfig, target: dict[str, Any], *,
     """The Report of the measured window [warmup_s, warmup_s + duration_s) of ``record``."""
     duration = config.duration_s
     truncated = config.max_requests is not None and len(record) >= config.max_requests
-    if truncated:
+    if truncated and len(record):
         # A schedule cut by max_requests ends early: measure over what was scheduled.
-        last = float(record.due[-1]) + 1.0 / config.qps - config.warmup_s
+        gap = 1.0 / config.qps if config.qps > 0 else 1e-3
+        last = float(record.due[len(record) - 1]) + gap - config.warmup_s
         duration = max(min(duration, last), 1e-3)
     stats = window_stats(record, config.warmup_s, duration, lag_threshold_ms=config.lag_threshold_ms)
     stats["window_s"] = duration
     warm = window_stats(record, 0.0, config.warmup_s, lag_threshold_ms=config.lag_threshold_ms) \
         if config.warmup_s > 0 else None
+    mode = "closed" if config.concurrency is not None else ("replay" if config.replay_path else "open")
     return Report(
-        config=config.to_dict(), target=target, duration_s=round(duration, 6), offered_qps=config.qps,
+        config=config.to_dict(), target=target, duration_s=round(duration, 6),
+        offered_qps=config.qps if mode != "closed" else 0.0,
         scheduled_qps=stats["scheduled_qps"], achieved_qps=stats["achieved_qps"],
         items_per_s=stats["items_per_s"], answer_span_s=stats["answer_span_s"], requests=stats["requests"],
         latency_ms=stats["latency_ms"], query_size=stats["query_size"], send_lag_ms=stats["send_lag_ms"],
         errors_by_reason=stats["errors_by_reason"], timeline=timeline(record, config.warmup_s, duration),
         warmup=warm["requests"] if warm else {}, warnings=_warnings(stats, config, truncated),
-        started_at=started_at, wall_s=round(wall_s, 3))
+        started_at=started_at, wall_s=round(wall_s, 3), mode=mode, concurrency=config.concurrency,
+        latency_cdf_ms=latency_cdf(record, config.warmup_s, duration))
+
+
+class Target:
+    """``async with Target(config) as t``: a ready server, the model's shape, an open transport."""
+
+    def __init__(self, config: LoadConfig, client_factory: ClientFactory = make_client) -> None:
+        self.config = config
+        self.client = client_factory(config.url)
+        self.transport: Transport | None = None
+        self.shape: ModelShape | None = None
+
+    async def __aenter__(self) -> "Target":
+        config = self.config
+        try:
+            await wait_until_ready(self.client, config.url, config.model, config.model_version, config.wait_ready_s)
+            overrides = ShapeOverrides(config.table_rows, config.pooling, config.dense_dim, config.zipf)
+            self.shape = await discover_shape(self.client, config.model, config.model_version, overrides)
+            self.transport = make_transport(config.client, config.url, self.client, config.model,
+                                            config.model_version)
+            await self.transport.connect(max(1.0, config.wait_ready_s))
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+        await self.client.close()
+
+    def describe(self, schedule: Schedule) -> dict[str, Any]:
+        """The report's ``target``."""
+        assert self.shape is not None
+        return {"url": self.config.url, "model": self.config.model, "version": self.config.model_version,
+                "pool_queries": len(schedule.pool), **self.shape.to_dict()}
+
+
+async def drive(config: LoadConfig, schedule: Schedule, transport: Transport, *, clock: Clock,
+                console: Console | None = None) -> tuple[RunRecord, str, float]:
+    """Send ``schedule`` open- or closed-loop per ``config``; (record, started_at, wall seconds)."""
+    payloads, query, infer = schedule.pool.payloads, schedule.query, transport.infer
+    window = config.warmup_s + config.duration_s
+    if config.concurrency is not None:
+        entries = len(schedule)
+        all_items = schedule.items
+
+        async def send(i: int) -> None:
+            k = i % entries
+            await infer(payloads[query[k]], int(all_items[k]))
+
+        record = RunRecord.growing(min(entries, 1 << 16))
+        driver: Any = ClosedLoopDriver(send, lambda i: int(all_items[i % entries]), concurrency=config.concurrency,
+                                       window_s=window, limit=config.max_requests, clock=clock,
+                                       drain_timeout_s=config.drain_timeout_s)
+    else:
+        items = schedule.items
+
+        async def send(i: int) -> None:
+            await infer(payloads[query[i]], int(items[i]))
+
+        record = RunRecord(schedule.offsets, items)
+        driver = OpenLoopDriver(send, clock=clock, drain_timeout_s=config.drain_timeout_s)
+    started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    wall = time.perf_counter()
+    if console is not None:
+        async with live_progress(record, clock, console, window, warmup_s=config.warmup_s):
+            await driver.run(record)
+    else:
+        await driver.run(record)
+    return record, started_at, time.perf_counter() - wall
 
 
 async def run_load_async(config: LoadConfig, *, console: Console | None = None, clock: Clock | None = None,
@@ -97,49 +217,41 @@ async def run_load_async(config: LoadConfig, *, console: Console | None = None, 
     ``ValueError`` for bad specs. Live progress goes to ``console`` if given.
     ``clock`` times the schedule (tests pass a fake one); ``client_factory``
     makes the tritonclient ``InferenceServerClient`` used for readiness and
-    discovery (and for sending, with ``client="tritonclient"``).
+    discovery (and for sending, with ``client="tritonclient"``). With
+    ``config.replay_path`` the recorded schedule and tensors are sent; with
+    ``config.record_path`` the run is saved (see ``loadgen.recording``).
     """
     clock = clock or MonotonicClock()
-    client = client_factory(config.url)
-    transport: Transport | None = None
-    try:
-        await wait_until_ready(client, config.url, config.model, config.model_version, config.wait_ready_s)
-        overrides = ShapeOverrides(config.table_rows, config.pooling, config.dense_dim, config.zipf)
-        shape = await discover_shape(client, config.model, config.model_version, overrides)
-        transport = make_transport(config.client, config.url, client, config.model, config.model_version)
+    recording = load_recording(config.replay_path) if config.replay_path else None
+    config = resolve_config(config, recording)
+    keep = config.record_path is not None
+    async with Target(config, client_factory) as target:
+        assert target.transport is not None and target.shape is not None
         prepared = time.perf_counter()
-        schedule = plan_run(config, shape, transport.prepare)
-        await transport.connect(max(1.0, config.wait_ready_s))
-        if console is not None:
-            console.print(f"{config.model} @ {config.url}: {shape.num_tables} tables, {shape.dense_dim} dense; "
-                          f"{len(schedule.pool)} queries prepared in {time.perf_counter() - prepared:.1f} s; "
-                          f"sending {len(schedule)} requests ({config.arrival} {config.qps:g} q/s, "
-                          f"{config.warmup_s:g} s warmup + {config.duration_s:g} s)", markup=False, highlight=False)
-        payloads, query = schedule.pool.payloads, schedule.query
-        infer = transport.infer
-        items = schedule.items
-
-        async def send(i: int) -> None:
-            await infer(payloads[query[i]], int(items[i]))
-
-        record = RunRecord(schedule.offsets, items)
-        driver = OpenLoopDriver(send, clock=clock, drain_timeout_s=config.drain_timeout_s)
-        started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        wall = time.perf_counter()
-        if console is not None:
-            async with live_progress(record, clock, console, config.warmup_s + config.duration_s,
-                                     warmup_s=config.warmup_s):
-                await driver.run(record)
+        if recording is not None:
+            schedule = schedule_from_recording(recording, target.transport.prepare, keep_tensors=keep)
         else:
-            await driver.run(record)
-        wall_s = time.perf_counter() - wall
-    finally:
-        if transport is not None:
-            await transport.close()
-        await client.close()
-    target = {"url": config.url, "model": config.model, "version": config.model_version,
-              "pool_queries": len(schedule.pool), **shape.to_dict()}
-    return summarize(record, config, target, started_at=started_at, wall_s=wall_s)
+            schedule = plan_run(config, target.shape, target.transport.prepare, keep_tensors=keep)
+        if console is not None:
+            how = (f"closed loop, {config.concurrency} outstanding" if config.concurrency is not None
+                   else f"{len(schedule)} requests ({config.arrival} {config.qps:g} q/s")
+            console.print(f"{config.model} @ {config.url}: {target.shape.num_tables} tables, "
+                          f"{target.shape.dense_dim} dense; {len(schedule.pool)} queries prepared in "
+                          f"{time.perf_counter() - prepared:.1f} s; sending {how}, "
+                          f"{config.warmup_s:g} s warmup + {config.duration_s:g} s"
+                          + (")" if config.concurrency is None else ""), markup=False, highlight=False)
+        record, started_at, wall_s = await drive(config, schedule, target.transport, clock=clock, console=console)
+        described = target.describe(schedule)
+    report = summarize(record, config, described, started_at=started_at, wall_s=wall_s)
+    if config.record_path is not None:
+        n = len(record)
+        sent_query = schedule.query[np.arange(n) % max(1, len(schedule))] if config.concurrency else schedule.query
+        assert schedule.pool.tensors is not None
+        save_recording(config.record_path, record, sent_query, schedule.pool.tensors,
+                       {"config": config.to_dict(), "target": described, "started_at": started_at,
+                        "mode": report.mode, "offered_qps": report.offered_qps})
+        report.recording = str(config.record_path)
+    return report
 
 
 def run_load(config: LoadConfig, *, console: Console | None = None) -> Report:

@@ -12,7 +12,7 @@ import numpy as np
 
 from .record import ERROR, OK, PENDING, RunRecord
 
-__all__ = ["percentiles", "LATENCY_QUANTILES", "window_stats", "timeline"]
+__all__ = ["percentiles", "LATENCY_QUANTILES", "CDF_PERCENTILES", "window_stats", "timeline", "latency_cdf"]
 
 LATENCY_QUANTILES: dict[str, float] = {"p50": 50, "p90": 90, "p95": 95, "p99": 99, "p999": 99.9}
 
@@ -33,6 +33,20 @@ def percentiles(values: np.ndarray, quantiles: dict[str, float] = LATENCY_QUANTI
         out[name] = float(values[rank - 1]) * scale
     out["max"] = float(values[-1]) * scale
     return out
+
+
+CDF_PERCENTILES: tuple[float, ...] = tuple(float(p) for p in range(0, 100)) + (99.5, 99.9, 99.95, 99.99, 100.0)
+
+
+def latency_cdf(record: RunRecord, start_s: float, duration_s: float) -> list[list[float]]:
+    """[[percentile, ms], ...] of the answered requests due in the window (nearest rank; p0 is the min)."""
+    mask = (record.due >= start_s) & (record.due < start_s + duration_s) & (record.status == OK)
+    values = np.sort(record.latency()[mask]) * 1e3
+    if values.size == 0:
+        return []
+    n = values.size
+    ranks = np.clip(np.ceil(np.asarray(CDF_PERCENTILES) / 100.0 * n - 1e-9).astype(np.int64), 1, n)
+    return [[p, round(float(values[r - 1]), 3)] for p, r in zip(CDF_PERCENTILES, ranks.tolist())]
 
 
 def _round(d: dict[str, Any], digits: int = 3) -> dict[str, Any]:

@@ -41,7 +41,7 @@ class ShapeOverrides:
     table_rows: tuple[int, ...] | None = None
     pooling: tuple[int, ...] | None = None
     dense_dim: int | None = None
-    zipf: float | None = None
+    zipf: float | tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class ModelShape:
     dense_dim: int
     table_rows: tuple[int, ...]
     pooling: tuple[int, ...]
-    zipf: float
+    zipf: float | tuple[float, ...]
+    """One exponent for all tables, or one per table."""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     """Where each fact came from: ``metadata``, ``server``, ``flag`` or ``default``."""
 
@@ -61,7 +62,8 @@ class ModelShape:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dense_dim": self.dense_dim, "num_tables": self.num_tables, "table_rows": list(self.table_rows),
-                "pooling": list(self.pooling), "zipf": self.zipf, "sources": dict(self.sources)}
+                "pooling": list(self.pooling),
+                "zipf": list(self.zipf) if isinstance(self.zipf, tuple) else self.zipf, "sources": dict(self.sources)}
 
 
 def _status(exc: InferenceServerException) -> str:
@@ -163,7 +165,14 @@ def shape_from(metadata: Any, config: Any, overrides: ShapeOverrides = ShapeOver
         pooling, sources["pooling"] = (DEFAULT_POOLING,), "default"
     pooling = _per_table(pooling, tables, "--pooling" if sources["pooling"] == "flag" else PARAM_POOLING)
 
-    if overrides.zipf is not None:
+    zipf: float | tuple[float, ...]
+    if isinstance(overrides.zipf, tuple):
+        if len(overrides.zipf) not in (1, tables):
+            raise LoadgenError(f"--zipf has {len(overrides.zipf)} values but the model has {tables} tables "
+                               f"(give one value for all tables, or {tables})")
+        zipf = overrides.zipf[0] if len(overrides.zipf) == 1 else overrides.zipf
+        sources["zipf"] = "flag"
+    elif overrides.zipf is not None:
         zipf, sources["zipf"] = overrides.zipf, "flag"
     elif (text := _param(config, PARAM_ZIPF)) is not None:
         try:

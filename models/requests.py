@@ -16,6 +16,7 @@ from .signature import DENSE, INDICES, LENGTHS
 
 __all__ = [
     "QuerySizes", "FixedQuerySizes", "MLPerfQuerySizes", "parse_query_sizes",
+    "UniformQuerySizes", "LognormalQuerySizes", "EmpiricalQuerySizes", "QUERY_SIZE_FORMS", "MAX_QUERY_ITEMS",
     "RequestGenerator", "MLPERF_QUANTILES",
 ]
 
@@ -45,14 +46,99 @@ class MLPerfQuerySizes:
         return rng.choice(np.asarray(MLPERF_QUANTILES, dtype=np.int64), size=count)
 
 
+MAX_QUERY_ITEMS = 100_000
+"""Upper clip for drawn query sizes, so one heavy-tail draw cannot ask for gigabytes."""
+
+
+@dataclass(frozen=True)
+class UniformQuerySizes:
+    """Items uniform on the integers ``low..high`` (inclusive)."""
+
+    low: int
+    high: int
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        return rng.integers(self.low, self.high + 1, size=count, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class LognormalQuerySizes:
+    """Heavy-tailed sizes as in DeepRecInfra: lognormal with the given MEAN (items) and log-space SIGMA.
+
+    ``mu`` is chosen so the mean of the continuous distribution is ``mean``;
+    draws are rounded and clipped to [1, MAX_QUERY_ITEMS].
+    """
+
+    mean: float
+    sigma: float
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        mu = np.log(self.mean) - self.sigma ** 2 / 2
+        draws = np.rint(rng.lognormal(mu, self.sigma, size=count))
+        return np.clip(draws, 1, MAX_QUERY_ITEMS).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class EmpiricalQuerySizes:
+    """Sizes resampled (with replacement) from observed query sizes, e.g. from production logs.
+
+    File format: integers >= 1 separated by whitespace, commas or newlines;
+    lines starting with ``#`` are comments.
+    """
+
+    samples: tuple[int, ...]
+    path: str = ""
+
+    @classmethod
+    def from_file(cls, path: str) -> "EmpiricalQuerySizes":
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError as exc:
+            raise ValueError(f"bad query size spec 'file:{path}': cannot read it ({exc.strerror})") from None
+        words = [w for line in text.splitlines() if not line.lstrip().startswith("#")
+                 for w in line.replace(",", " ").split()]
+        try:
+            values = tuple(int(float(w)) for w in words)
+        except ValueError:
+            raise ValueError(f"bad query size file {path!r}: expected integers (items per query)") from None
+        if not values or min(values) < 1 or max(values) > MAX_QUERY_ITEMS:
+            raise ValueError(f"bad query size file {path!r}: needs at least one value, each in "
+                             f"1..{MAX_QUERY_ITEMS}")
+        return cls(values, path)
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        return rng.choice(np.asarray(self.samples, dtype=np.int64), size=count)
+
+
+QUERY_SIZE_FORMS = "'mlperf', 'fixed:N', 'uniform:A-B', 'lognormal:MEAN,SIGMA' or 'file:PATH'"
+
+
 def parse_query_sizes(spec: str) -> QuerySizes:
-    """``mlperf`` or ``fixed:N``; the error says which forms exist."""
+    """``mlperf``, ``fixed:N``, ``uniform:A-B``, ``lognormal:MEAN,SIGMA``, ``file:PATH``.
+
+    The error lists the forms that exist.
+    """
     if spec == "mlperf":
         return MLPerfQuerySizes()
     kind, _, arg = spec.partition(":")
     if kind == "fixed" and arg.isdigit() and int(arg) >= 1:
         return FixedQuerySizes(int(arg))
-    raise ValueError(f"bad query size spec {spec!r}: expected 'mlperf' or 'fixed:N' with N >= 1")
+    if kind == "uniform":
+        low, _, high = arg.partition("-")
+        if low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= MAX_QUERY_ITEMS:
+            return UniformQuerySizes(int(low), int(high))
+    if kind == "lognormal":
+        try:
+            mean, sigma = (float(x) for x in arg.split(","))
+        except ValueError:
+            pass
+        else:
+            if 1 <= mean <= MAX_QUERY_ITEMS and 0 <= sigma <= 5:
+                return LognormalQuerySizes(mean, sigma)
+    if kind == "file" and arg:
+        return EmpiricalQuerySizes.from_file(arg)
+    raise ValueError(f"bad query size spec {spec!r}: expected {QUERY_SIZE_FORMS} "
+                     f"(N, A <= B and MEAN >= 1, 0 <= SIGMA <= 5)")
 
 
 _HASH_PRIME = 2_654_435_761  # larger than any table, so id -> rank is a bijection per table
@@ -61,18 +147,21 @@ _HASH_PRIME = 2_654_435_761  # larger than any table, so id -> rank is a bijecti
 class RequestGenerator:
     """Makes canonical requests for a model: dense features, pooling lengths, power-law ids.
 
-    Popular ids follow a bounded power law of exponent ``zipf`` per table; ranks
+    Popular ids follow a bounded power law of exponent ``zipf`` (one value, or one
+    per table) per table; ranks
     are scattered over the table by a fixed multiplicative hash so hot rows are
     not all at the top of the table.
     """
 
     def __init__(self, table_rows: tuple[int, ...], dense_dim: int, pooling: tuple[int, ...],
-                 *, zipf: float = 1.05, seed: int = 0) -> None:
+                 *, zipf: float | tuple[float, ...] = 1.05, seed: int = 0) -> None:
         if len(pooling) != len(table_rows):
             raise ValueError(f"{len(pooling)} pooling factors for {len(table_rows)} tables")
         self.table_rows = np.asarray(table_rows, dtype=np.int64)
         self.dense_dim = dense_dim
         self.pooling = np.asarray(pooling, dtype=np.int64)
+        if not isinstance(zipf, (int, float)) and len(zipf) not in (1, len(table_rows)):
+            raise ValueError(f"{len(zipf)} zipf exponents for {len(table_rows)} tables")
         self.zipf = zipf
         self.rng = np.random.default_rng(seed)
 
@@ -98,7 +187,13 @@ class RequestGenerator:
         rows = self.table_rows[table]
         u = self.rng.random(table.shape[0])
         s = self.zipf
-        if abs(s - 1.0) < 1e-9:
+        if not isinstance(s, (int, float)):
+            # Per-table exponents: s = 1 is the limit of the general formula, so nudge it.
+            per_table = np.broadcast_to(np.asarray(s, dtype=np.float64), (self.num_tables,))
+            e = per_table[table]
+            e = np.where(np.abs(e - 1.0) < 1e-9, 1.0 + 1e-6, e)
+            x = ((rows.astype(np.float64) ** (1 - e) - 1) * u + 1) ** (1 / (1 - e))
+        elif abs(s - 1.0) < 1e-9:
             x = np.exp(u * np.log(rows))
         else:
             x = ((rows.astype(np.float64) ** (1 - s) - 1) * u + 1) ** (1 / (1 - s))

@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     p.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
     p.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
+    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="option for the card backend, value read as JSON when it parses (repeatable)")
+    p.add_argument("--backend-options-file", metavar="JSON",
+                   help="backend options as a JSON object, e.g. backends/specs/faults/flaky.json for simcard")
     p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
                    help="embedding tables row-wise precision on the host (default fp32)")
@@ -48,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace, console: Console) -> int:
     from .loader import load_builtin
 
+    from backends.options import load_options_file, parse_option
+    backend_options = load_options_file(args.backend_options_file) if args.backend_options_file else {}
+    backend_options.update(parse_option(text) for text in args.backend_option)
     metrics = ServerMetrics()
     batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
                               max_queue_delay_microseconds=args.max_queue_delay_us,
@@ -57,7 +64,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         served = await asyncio.to_thread(
             load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
             backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
-            table_precision=args.table_precision)
+            table_precision=args.table_precision, backend_options=backend_options)
     from partitioner.explain import print_plan
     print_plan(served.plan, console)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,

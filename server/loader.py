@@ -63,7 +63,8 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
 
 def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
                  card_spec: str, metrics: ServerMetrics, batching: BatchingConfig,
-                 table_precision: str = "fp32") -> ServedModel:
+                 table_precision: str = "fp32", backend_options: dict | None = None) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        table_precision=table_precision)
-    return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching)
+    return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
+                            backend_options=backend_options)

@@ -8,32 +8,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
+from ..options import load_options_file, parse_option
 from .cases import DEFAULT_MODELS
 from .kit import CHECKS, run_conformance
 
 __all__ = ["main", "parse_option"]
-
-
-def parse_option(text: str) -> tuple[str, Any]:
-    """``k=v`` -> (k, v), v read as JSON when it parses (``3``, ``true``, ``["A"]``, ``{"hang": true}``), else a string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--option takes KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(raw)
-    except json.JSONDecodeError:
-        return key, raw
-
-
-def _options_file(path: str) -> dict[str, Any]:
-    """A JSON object of backend options; a top-level "description" is documentation and is dropped."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: an options file holds a JSON object, got {type(data).__name__}")
-    data.pop("description", None)
-    return data
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import models as zoo
     names = zoo.names() if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     try:
-        options = _options_file(args.options_file) if args.options_file else {}
+        options = load_options_file(args.options_file) if args.options_file else {}
         options.update(dict(args.option))
         with console.status(f"building {', '.join(names)} and checking backend {args.backend}..."):
             report = run_conformance(args.backend, models=names, max_batch=args.max_batch, max_rows=args.max_rows,

@@ -39,6 +39,9 @@ class FakeModel:
     sixfold_params: bool = True
     """Publish sixfold.table_rows/pooling/zipf in ModelConfig (False: like a Triton server)."""
     latency_s: float = 0.005
+    keep_ids: bool = False
+    serial: bool = False
+    """Serve one request at a time (a single server queue): saturates at 1 / latency_s requests/s."""
     stall: Stall | None = None
     ready: bool = True
 
@@ -48,12 +51,17 @@ class _Seen:
     sizes: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     invalid: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    ids: list[np.ndarray] = field(default_factory=list)
+    """sparse_indices of each request (only when FakeModel.keep_ids)."""
 
 
 class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, model: FakeModel, seen: _Seen) -> None:
         self.model, self.seen = model, seen
         self.first: float | None = None
+        self._lock: asyncio.Lock | None = None
 
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -123,12 +131,29 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.seen.sizes.append(n)
         self.seen.arrivals.append(now)
+        if self.model.keep_ids:
+            raw = {t.name: r for t, r in zip(request.inputs, request.raw_input_contents)}["sparse_indices"]
+            self.seen.ids.append(np.frombuffer(raw, dtype=np.int64).copy())
+        self.seen.in_flight += 1
+        self.seen.max_in_flight = max(self.seen.max_in_flight, self.seen.in_flight)
+        try:
+            return await self._serve(n, now, request.id)
+        finally:
+            self.seen.in_flight -= 1
+
+    async def _serve(self, n: int, now: float, request_id: str):
         delay = self.model.latency_s
         stall = self.model.stall
         if stall is not None and stall.start_s <= now - self.first < stall.end_s:
             delay += stall.extra_s
-        await asyncio.sleep(max(0.0, delay - (time.monotonic() - now)))
-        response = service_pb2.ModelInferResponse(model_name=self.model.name, model_version="1", id=request.id)
+        if self.model.serial:
+            if self._lock is None:
+                self._lock = asyncio.Lock()  # NOTE: created on the server's own loop
+            async with self._lock:
+                await asyncio.sleep(delay)
+        else:
+            await asyncio.sleep(max(0.0, delay - (time.monotonic() - now)))
+        response = service_pb2.ModelInferResponse(model_name=self.model.name, model_version="1", id=request_id)
         response.outputs.add(name="scores", datatype="FP32", shape=[n, 1])
         response.raw_output_contents.append(np.full((n, 1), 0.5, dtype=np.float32).tobytes())
         return response

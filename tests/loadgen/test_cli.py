@@ -42,7 +42,9 @@ def test_run_writes_the_report_and_prints_a_plain_table(fake_server, tmp_path, c
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--query-size", "lognormal", "bad query size spec 'lognormal'"),
-    ("--arrival", "bursty", "bad arrival spec 'bursty'"),
+    ("--arrival", "burst", "bad arrival spec 'burst'"),
+    ("--arrival", "bursty:on=x", "bad arrival spec 'bursty:on=x'"),
+    ("--query-size", "uniform:9-3", "bad query size spec 'uniform:9-3'"),
     ("--table-rows", "10,x", "bad --table-rows '10,x'"),
     ("--qps", "0", "qps must be"),
 ])
