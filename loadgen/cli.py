@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     traces.add_argument("--export-perf-analyzer", default=None, metavar="PATH",
                         help="write the queries as perf_analyzer --input-data JSON (first --max-requests, "
                              "else --pool of them) and exit")
+    p.add_argument("--processes", type=int, default=1,
+                   help="spread an open-loop run over N generator processes (when one falls behind)")
     p.add_argument("--quiet", action="store_true", help="no live progress and no table")
     return p
 
@@ -150,6 +152,9 @@ def _run(args: argparse.Namespace, config: LoadConfig, console: Console | None) 
                             step_duration_s=args.step_duration, tolerance=args.tolerance,
                             max_steps=args.max_steps, max_error_rate=args.max_error_rate)
         return find_max_qps(config, sweep, console=console)
+    if args.processes != 1:
+        from .multiprocess import run_load_processes
+        return run_load_processes(config, args.processes, console=console)
     from .runner import run_load
     return run_load(config, console=console)
 
@@ -166,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = _run(args, config, None if args.quiet else console)
     except ValueError as exc:
         return _fail(str(exc), 2)
-    except LoadgenError as exc:
+    except (LoadgenError, RuntimeError, TimeoutError) as exc:
         return _fail(str(exc), 1)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)

@@ -99,7 +99,7 @@ def _warnings(stats: dict[str, Any], config: LoadConfig, truncated: bool) -> lis
                    f"{lag['threshold_ms']:g} ms after their scheduled time (send lag p99 {lag['p99']:.1f} ms, "
                    f"max {lag['max']:.1f} ms); latencies include that lag"
                    + ("; the load offered was not the target: give the loadgen its own CPU cores "
-                      "(e.g. taskset), lower --qps, or run several loadgens at a share of the rate each"
+                      "(e.g. taskset), lower --qps, or spread the load with --processes N"
                       if head.startswith("GEN") else ""))
     if req["unsent"]:
         out.append(f"{req['unsent']} scheduled requests were never sent (run interrupted)")
