@@ -13,13 +13,13 @@ import io
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import models
-from backends.api import PartitionArtifact
+from backends.api import Backend, PartitionArtifact
 from backends.spec import DeviceSpec, load_spec
 from models.signature import DENSE, INDICES, LENGTHS, SCORES
 
@@ -48,6 +48,16 @@ class PartitionedModel:
     plan: PartitionPlan
     artifacts: dict[str, PartitionArtifact]
     split: SplitGraph
+    variants: dict[str, list[PartitionArtifact]] = field(default_factory=dict)
+    """Other formats of the same partition (the dense part as a torch FX module, say)."""
+
+    def artifact_for(self, partition: str, backend: "Backend") -> PartitionArtifact:
+        """The partition in a format ``backend`` takes; ValueError naming the formats when none fits."""
+        for candidate in [self.artifacts[partition], *self.variants.get(partition, [])]:
+            if backend.supports(candidate):
+                return candidate
+        have = [a.format for a in [self.artifacts[partition], *self.variants.get(partition, [])]]
+        raise ValueError(f"backend {backend.name!r} takes none of partition {partition}'s formats {have}")
 
 
 def _tensor_info(name: str, t: torch.Tensor, batch_dim_dynamic: bool = True) -> TensorInfo:
@@ -186,7 +196,11 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
             param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
             bytes_per_item=dense_cost.bytes_per_item),
     }
-    return PartitionedModel(plan=plan, artifacts=artifacts, split=split)
+    dense_fx = PartitionArtifact(
+        name=DENSE_PARTITION, format="torch-fx", payload=split.dense.eval(),
+        input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_param,
+        flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item)
+    return PartitionedModel(plan=plan, artifacts=artifacts, split=split, variants={DENSE_PARTITION: [dense_fx]})
 
 
 def builtin_example(config: models.ModelConfig, seed: int = 0) -> ExampleFn:

@@ -34,12 +34,10 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
         raise ValueError(f"no host backend takes {host_artifact.format!r} partitions")
     host = registry.get_backend(host_backend).load(host_artifact, host_device)
     card_backend = registry.get_backend(backend, **(backend_options or {}))
-    dense = partitioned.artifacts[DENSE_PARTITION]
+    dense = partitioned.artifact_for(DENSE_PARTITION, card_backend)
     cards, card_specs = [], []
     for device_id in plan.devices_of(DENSE_PARTITION):
         spec: DeviceSpec = plan.device(device_id).spec
-        if not card_backend.supports(dense):
-            raise ValueError(f"backend {backend!r} does not take {dense.format} partitions")
         # Each card is its own device (memory budget, queue), even when all share one spec.
         card = dataclasses.replace(spec, name=f"{spec.name}/{device_id}")
         card_specs.append(card)

@@ -226,3 +226,28 @@ def test_int8_tables_serve_close_to_the_fp32_model(gen) -> None:
                            ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
     diff = np.abs(scores - expected).max()
     assert 0 < diff < 0.02, diff
+
+
+def test_the_torch_backend_serves_the_dense_part_too(gen) -> None:
+    """--backend torch takes the dense partition as an FX module (no ONNX), and answers exactly."""
+    import torch
+
+    from partitioner.compile import partition_builtin
+    from server.app import BackgroundServer, ServerConfig
+    from server.batcher import BatchingConfig
+    from server.core import InferenceCore
+    from server.loader import load_partitioned
+    from server.metrics import ServerMetrics
+
+    model, partitioned = partition_builtin("rm2", max_rows=MAX_ROWS, seed=3, cards=2)
+    metrics = ServerMetrics()
+    served = load_partitioned(partitioned, backend="torch", metrics=metrics, batching=BatchingConfig())
+    assert all(card.artifact.format == "torch-fx" for card in served.runtime.cards)
+    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None), metrics) as bg:
+        with tc.InferenceServerClient(bg.url) as client:
+            request = gen.make(33)
+            scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
+    with torch.inference_mode():
+        expected = model(*[torch.from_numpy(request[k]) for k in
+                           ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
+    np.testing.assert_allclose(scores, expected, atol=ATOL, rtol=0)
