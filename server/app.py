@@ -36,6 +36,9 @@ class ServerConfig:
     """Largest request or response; a 1000-item rm2 query is ~30 MB of ids."""
     grace_seconds: float = 10.0
     """On shutdown, how long in-flight RPCs may take to finish before they are cancelled."""
+    tls_cert: str | None = None
+    """PEM certificate chain; with ``tls_key``, gRPC is served over TLS only."""
+    tls_key: str | None = None
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -45,6 +48,8 @@ class ServerConfig:
             raise ValueError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if self.max_message_bytes < 1 << 20:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
 
 
 class SixfoldServer:
@@ -60,7 +65,13 @@ class SixfoldServer:
         server = self._server = grpc.aio.server(options=options)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        address = f"{self.config.host}:{self.config.grpc_port}"
+        if self.config.tls_cert and self.config.tls_key:
+            with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port}")
         await server.start()

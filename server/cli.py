@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--max-message-mb", type=int, default=1024, help="largest request/response in MiB (default 1024)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
     p.add_argument("--max-queue-size", type=int, default=256,
@@ -68,7 +71,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     from partitioner.explain import print_plan
     print_plan(served.plan, console)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,
-                          metrics_port=None if args.metrics_port < 0 else args.metrics_port)
+                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                          max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server = SixfoldServer(InferenceCore([served]), config, metrics)
     port = await server.start()
     metrics_at = f"http://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"

@@ -25,6 +25,36 @@ class ServerMetrics:
         self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
 
+        # Triton's own names (cumulative microsecond counters), so Triton dashboards work unchanged.
+        # NOTE: Gauges that only go up: prometheus-client would export a Counter as "<name>_total",
+        # and Triton's series carry no suffix.
+        labels = ["model", "version"]
+        self.nv_success = Gauge("nv_inference_request_success", "Successful requests (Triton name)", labels, registry=r)
+        self.nv_failure = Gauge("nv_inference_request_failure", "Failed requests (Triton name)", [*labels, "reason"], registry=r)
+        self.nv_count = Gauge("nv_inference_count", "Inferences performed, in items (Triton name)", labels, registry=r)
+        self.nv_exec = Gauge("nv_inference_exec_count", "Batches executed (Triton name)", labels, registry=r)
+        self.nv_request_us = Gauge("nv_inference_request_duration_us", "Cumulative request time (Triton name)", labels, registry=r)
+        self.nv_queue_us = Gauge("nv_inference_queue_duration_us", "Cumulative queue time (Triton name)", labels, registry=r)
+        self.nv_input_us = Gauge("nv_inference_compute_input_duration_us", "Cumulative host-stage time (Triton name: compute input)", labels, registry=r)
+        self.nv_infer_us = Gauge("nv_inference_compute_infer_duration_us", "Cumulative card-stage time (Triton name: compute infer)", labels, registry=r)
+
+    def record_success(self, model: str, version: str, rows: int, total_s: float, queue_s: float,
+                       host_s: float, card_s: float) -> None:
+        self.success.labels(model).inc()
+        self.items.labels(model).inc(rows)
+        self.request_seconds.labels(model).observe(total_s)
+        self.queue_seconds.labels(model).observe(queue_s)
+        self.nv_success.labels(model, version).inc()
+        self.nv_count.labels(model, version).inc(rows)
+        self.nv_request_us.labels(model, version).inc(total_s * 1e6)
+        self.nv_queue_us.labels(model, version).inc(queue_s * 1e6)
+        self.nv_input_us.labels(model, version).inc(host_s * 1e6)
+        self.nv_infer_us.labels(model, version).inc(card_s * 1e6)
+
+    def record_failure(self, model: str, version: str, reason: str) -> None:
+        self.failure.labels(model, reason).inc()
+        self.nv_failure.labels(model, version, reason).inc()
+
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics over HTTP on ``host:port``."""
         start_http_server(port, addr=host, registry=self.registry)

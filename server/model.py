@@ -50,6 +50,7 @@ class ServedModel:
         self.stats.record_batch()
         m, name = self.metrics, self.name
         m.executions.labels(name).inc()
+        m.nv_exec.labels(name, self.version).inc()
         m.batch_rows.labels(name).observe(info.rows)
         m.host_seconds.labels(name).observe(info.timings.get("host_s", 0.0))
         m.card_seconds.labels(name).observe(info.timings.get("card_s", 0.0))
@@ -81,16 +82,13 @@ class ServedModel:
                 outputs, info = await self.batcher.submit(inputs, rows, timeout_s)
         except Exception as exc:
             self.stats.record_failure(time.perf_counter() - t0)
-            self.metrics.failure.labels(self.name, getattr(exc, "reason", "internal")).inc()
+            self.metrics.record_failure(self.name, self.version, getattr(exc, "reason", "internal"))
             raise
         total = time.perf_counter() - t0
         host = info.timings.get("host_s", 0.0)
         card = info.timings.get("card_s", 0.0)
         self.stats.record_success(total, info.queue_s, host, card, max(0.0, total - info.queue_s - host - card), rows)
-        self.metrics.success.labels(self.name).inc()
-        self.metrics.items.labels(self.name).inc(rows)
-        self.metrics.request_seconds.labels(self.name).observe(total)
-        self.metrics.queue_seconds.labels(self.name).observe(info.queue_s)
+        self.metrics.record_success(self.name, self.version, rows, total, info.queue_s, host, card)
         wanted = requested or self.output_names
         return {n: outputs[n] for n in wanted}
 

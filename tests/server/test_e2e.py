@@ -157,6 +157,10 @@ def test_prometheus_metrics_are_exposed(client, served_rm2, gen) -> None:
     text = urllib.request.urlopen(f"http://127.0.0.1:{served_rm2.metrics_port}/metrics", timeout=10).read().decode()
     assert 'sixfold_inference_request_success_total{model="rm2"}' in text
     assert "sixfold_card_stage_duration_seconds_bucket" in text and "sixfold_batch_rows_bucket" in text
+    # Triton's own names too, so Triton dashboards work unchanged.
+    for name in ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count",
+                 "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us"):
+        assert f'{name}{{model="rm2",version="1"}}' in text, name
 
 
 def test_the_timeout_parameter_drops_a_request_before_compute(client, gen) -> None:
