@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
                    help="row-wise precision of the embedding tables (built-in models)")
     p.add_argument("--batch-rows", type=int, default=256, help="batch size the estimates are for")
+    p.add_argument("--draw", metavar="PNG", help="also draw the graph with partitions coloured")
     p.add_argument("--out", required=True, help="output folder (a model-repository version folder)")
     return p
 
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]sixfold-partition: {exc.args[0] if exc.args else exc}[/]")
         return 2
     print_plan(partitioned.plan, console)
+    if args.draw:
+        from .draw import draw_cut
+        drawn = draw_cut(partitioned.graph, partitioned.labels, args.draw,
+                         title=f"{partitioned.plan.model}: host (sparse) vs cards (dense)")
+        console.print(f"drew {drawn}")
     console.print(f"wrote {path.parent}/ (plan.json, dense.onnx, tables/)")
     return 0
 

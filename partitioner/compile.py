@@ -13,6 +13,7 @@ import io
 import logging
 import warnings
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,10 @@ class PartitionedModel:
     plan: PartitionPlan
     artifacts: dict[str, PartitionArtifact]
     split: SplitGraph
+    graph: Any = None
+    """The exported graph module the cut was made on (for drawing)."""
+    labels: dict = field(default_factory=dict)
+    """Its node -> partition labels."""
     variants: dict[str, list[PartitionArtifact]] = field(default_factory=dict)
     """Other formats of the same partition (the dense part as a torch FX module, say)."""
 
@@ -136,7 +141,8 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
     small, large = example(4), example(64)
     program = export_model(model, tuple(small[n] for n in (DENSE, LENGTHS, INDICES)))
     gm = program.module()
-    split = cut_graph(gm, assign_sparse_dense(gm.graph), [SCORES])
+    labels = assign_sparse_dense(gm.graph)
+    split = cut_graph(gm, labels, [SCORES])
 
     small_b, large_b = _run_host(split, small), _run_host(split, large)
     small_args, large_args = _dense_args(split, small, small_b), _dense_args(split, large, large_b)
@@ -200,7 +206,8 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
         name=DENSE_PARTITION, format="torch-fx", payload=split.dense.eval(),
         input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_param,
         flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item)
-    return PartitionedModel(plan=plan, artifacts=artifacts, split=split, variants={DENSE_PARTITION: [dense_fx]})
+    return PartitionedModel(plan=plan, artifacts=artifacts, split=split, graph=gm, labels=labels,
+                            variants={DENSE_PARTITION: [dense_fx]})
 
 
 def builtin_example(config: models.ModelConfig, seed: int = 0) -> ExampleFn:

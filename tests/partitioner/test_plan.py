@@ -94,3 +94,11 @@ def test_cli_writes_the_plan_and_explains_it(tmp_path, capsys) -> None:
 def test_cli_reports_a_bad_model_name_cleanly(tmp_path, capsys) -> None:
     assert partition_main(["--model", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_cli_draws_the_cut(tmp_path, capsys) -> None:
+    png = tmp_path / "plan.png"
+    assert partition_main(["--model", "rm1", "--max-rows", "50", "--cards", "2", "--out", str(tmp_path / "p"),
+                           "--draw", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"drew {png}" in capsys.readouterr().out
