@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import tritonclient.grpc as tc
 import models
 from backends import registry
 from backends.conformance import run_conformance
-from tests.conftest import triton_inputs
+from tests.conftest import ServeProcess, triton_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vendor_backend"
@@ -90,26 +89,11 @@ def test_a_broken_copy_fails_the_kit(tmp_path: Path) -> None:
 
 
 def test_sixfold_serve_runs_it(installed: Path) -> None:
-    proc = subprocess.Popen([str(BIN / "sixfold-serve"), "--backend", "numpy-ref", "--model", "rm2",
-                             "--max-rows", "500", "--cards", "2", "--grpc-port", "0", "--metrics-port", "-1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(installed),
-                            cwd=ROOT)
-    lines: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if line.startswith("READY grpc="):
-                url.append(line.split("=", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    serve = ServeProcess("--backend", "numpy-ref", "--model", "rm2", "--max-rows", "500", "--cards", "2",
+                         "--grpc-port", "0", "--metrics-port", "-1", env=_env(installed), cwd=ROOT, timeout=120)
+    proc, lines, url = serve.proc, serve.lines, [serve.url]
     try:
-        ready.wait(120)
-        assert url, "".join(lines)
+        assert serve.url, serve.output
         request = models.RequestGenerator.for_config(models.get_config("rm2", max_rows=500), seed=3).make(5)
         with tc.InferenceServerClient(url[0]) as client:
             scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
@@ -120,6 +104,4 @@ def test_sixfold_serve_runs_it(installed: Path) -> None:
         assert proc.wait(timeout=30) == 0, "".join(lines)
         assert "2 numpy-ref cards" in " ".join("".join(lines).split())  # rich may wrap the line
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        serve.kill()

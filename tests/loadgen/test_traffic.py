@@ -117,7 +117,7 @@ def test_id_drift_rotates_the_hot_set_per_time_slice():
     schedule = build_schedule(ConstantArrivals(), 100.0, 4.0, parse_query_sizes("fixed:50"), generator,
                               lambda q: q, pool=2, rng=np.random.default_rng(0), drift=0.1)
     assert len(schedule.pool) == 2 * 4  # 4 one-second slices
-    first, last = schedule.pool.payloads[schedule.query[0]], schedule.pool.payloads[schedule.query[-1]]
+    first = schedule.pool.payloads[schedule.query[0]]
     assert schedule.query[0] < 2 <= 6 <= schedule.query[-1]
     # Same base query, ids moved by 3 s x 0.1 of each table; in range; lengths unchanged.
     base = schedule.query[-1] - 6

@@ -14,33 +14,15 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 import models
-from tests.conftest import free_port, triton_inputs
+from tests.conftest import ServeProcess, free_port, triton_inputs
 
 SERVE = Path(sys.executable).parent / "sixfold-serve"
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen([str(SERVE), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if line.startswith("READY grpc="):
-                url.append(line.split("=", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(180)
-    return proc, (url[0] if url else ""), lines
-
-
 def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
-    proc, url, lines = _start("--model", "rm1", "--max-rows", "500", "--cards", "2",
-                              "--grpc-port", "0", "--metrics-port", str(free_port()))
+    serve = ServeProcess("--model", "rm1", "--max-rows", "500", "--cards", "2",
+                         "--grpc-port", "0", "--metrics-port", str(free_port()))
+    proc, url, lines = serve.proc, serve.url, serve.lines
     try:
         assert url, "".join(lines)
         gen = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=500), seed=1)
@@ -80,9 +62,7 @@ def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
         assert "card1" in output and "bottleneck" in output  # the plan is explained at start
         assert "stopped" in output
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        serve.kill()
 
 
 def test_serve_reports_a_bad_model_cleanly() -> None:
