@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--max-message-mb", type=int, default=1024, help="largest request/response in MiB (default 1024)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
+    p.add_argument("--max-card-batch-rows", type=int, default=None,
+                   help="a card takes at most this many items per batch; a larger query is split across cards")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
@@ -67,7 +69,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         served = await asyncio.to_thread(
             load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
             backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
-            table_precision=args.table_precision, backend_options=backend_options)
+            table_precision=args.table_precision, backend_options=backend_options,
+            max_card_rows=args.max_card_batch_rows)
     from partitioner.explain import print_plan
     print_plan(served.plan, console)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,

@@ -24,7 +24,7 @@ _HOST_BACKENDS = {"torch-fx": "torch", "tables": "host-embedding"}
 
 def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1",
-                     backend_options: dict | None = None) -> ServedModel:
+                     backend_options: dict | None = None, max_card_rows: int | None = None) -> ServedModel:
     """Load the host stage on the torch backend and a dense replica on every placed card."""
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
@@ -42,7 +42,8 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
         card = dataclasses.replace(spec, name=f"{spec.name}/{device_id}")
         card_specs.append(card)
         cards.append(card_backend.load(dense, card))
-    runtime = PlanRuntime(host, cards, reload_card=lambda i: card_backend.load(dense, card_specs[i]))
+    runtime = PlanRuntime(host, cards, reload_card=lambda i: card_backend.load(dense, card_specs[i]),
+                          max_card_rows=max_card_rows)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics)  # type: ignore[arg-type]
@@ -61,8 +62,9 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
 
 def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
                  card_spec: str, metrics: ServerMetrics, batching: BatchingConfig,
-                 table_precision: str = "fp32", backend_options: dict | None = None) -> ServedModel:
+                 table_precision: str = "fp32", backend_options: dict | None = None,
+                 max_card_rows: int | None = None) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        table_precision=table_precision)
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
-                            backend_options=backend_options)
+                            backend_options=backend_options, max_card_rows=max_card_rows)

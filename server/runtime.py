@@ -12,6 +12,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from backends.api import Arrays, Executable
 
 from .batcher import BatchInfo
@@ -34,12 +36,16 @@ class PlanRuntime:
     """
 
     def __init__(self, host: Executable, cards: Sequence[Executable], *, reload_card: ReloadCard | None = None,
-                 card_timeout_s: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
+                 card_timeout_s: float = 30.0, max_card_rows: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.host = host
         self.cards = list(cards)
         self.router = LeastLoadedRouter(len(self.cards))
         self.reload_card = reload_card
         self.card_timeout_s = card_timeout_s
+        if max_card_rows is not None and max_card_rows < 1:
+            raise ValueError(f"max_card_rows must be >= 1, got {max_card_rows}")
+        self.max_card_rows = max_card_rows
         self._clock = clock
         self._restarts: set[asyncio.Task] = set()
 
@@ -53,10 +59,36 @@ class PlanRuntime:
         except Exception as exc:
             raise InternalError(f"host stage failed: {exc}") from exc
         t1 = self._clock()
-        index, outputs = await self._card_stage({**inputs, **host_out}, rows)
+        card_inputs = {**inputs, **host_out}
+        if self.max_card_rows is None or rows <= self.max_card_rows:
+            index, outputs = await self._card_stage(card_inputs, rows)
+        else:
+            index, outputs = await self._split_across_cards(card_inputs, rows)
         t2 = self._clock()
         info.timings.update(host_s=t1 - t0, card_s=t2 - t1, card=float(index))
         return outputs
+
+    async def _split_across_cards(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
+        """A batch larger than a card takes: sub-batches run on several cards at once, then rejoin.
+
+        Each card input splits in proportion to its rows per item (1 for dense
+        features, T for pooled embeddings laid out [N * T, D]); outputs concatenate.
+        """
+        names = self.cards[0].input_names
+        per_item = {}
+        for name in names:
+            length = card_inputs[name].shape[0]
+            if length % rows:
+                raise InternalError(f"cannot split card input '{name}' ({length} rows) into items of a "
+                                    f"{rows}-item batch")
+            per_item[name] = length // rows
+        chunk = self.max_card_rows
+        assert chunk is not None
+        bounds = [(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
+        parts = [{n: card_inputs[n][a * per_item[n]:b * per_item[n]] for n in names} for a, b in bounds]
+        results = await asyncio.gather(*(self._card_stage(part, b - a) for part, (a, b) in zip(parts, bounds)))
+        outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
+        return results[0][0], outputs
 
     async def _card_stage(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
         tried: set[int] = set()
