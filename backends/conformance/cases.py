@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..api import Arrays, PartitionArtifact
 
-__all__ = ["Case", "Reference", "case_from_artifact", "builtin_case", "builtin_cases", "DEFAULT_MODELS"]
+__all__ = ["Case", "Reference", "case_from_artifact", "builtin_case", "builtin_cases", "case_source", "DEFAULT_MODELS"]
 
 DEFAULT_MODELS: tuple[str, ...] = ("rm2", "dlrm-mlperf")
 """Models the kit checks when none are named: the two dense-partition shapes of the zoo, fast to build."""
@@ -86,29 +87,27 @@ def builtin_case(model: str, *, max_batch: int = 64, max_rows: int = 200, seed: 
     return _builtin_case(model, max_batch, max_rows, seed)
 
 
+CASES_GROUP = "sixfold.conformance_cases"
+
+
+def case_source() -> Any:
+    """The installed source of model cases (entry point ``sixfold.conformance_cases``).
+
+    NOTE: found at run time, like backends, so this package imports nothing
+    above it; the sixfold distribution registers its zoo (partitioner.conformance_cases).
+    """
+    from importlib.metadata import entry_points
+    for entry in entry_points(group=CASES_GROUP):
+        return entry.load()
+    raise ValueError(f"no conformance case source is installed (entry point group {CASES_GROUP!r}); "
+                     "install sixfold itself, or pass your own cases (case_from_artifact)")
+
+
 @functools.lru_cache(maxsize=16)
 def _builtin_case(model: str, max_batch: int, max_rows: int, seed: int) -> Case:
-    # NOTE: the kit sits above the layers: it imports partitioner and models
-    # (and torch, through them) here, lazily, to build real partitions. The
-    # backends runtime itself never imports them.
-    import torch
-
-    import models
-    from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
-
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    zoo, partitioned = partition_builtin(model, max_rows=max_rows, seed=seed, cards=1)
-    host, dense = partitioned.artifacts[HOST_PARTITION], partitioned.artifacts[DENSE_PARTITION]
-    generator = models.RequestGenerator.for_config(zoo.config, seed=seed + 1)
-
-    def feed(rows: int) -> Arrays:
-        request = generator.make(rows)
-        with torch.inference_mode():
-            out = host.payload(*[torch.from_numpy(np.ascontiguousarray(request[n])) for n in host.input_names])
-        env = {**request, **{n: t.numpy().copy() for n, t in zip(host.output_names, out)}}
-        return {n: env[n] for n in dense.input_names}
-
+    dense, feed = case_source().build(model, max_rows, seed)
     case = case_from_artifact(model, dense, feed, range(1, max_batch + 1))
     case.notes["max_rows"] = str(max_rows)
     return case

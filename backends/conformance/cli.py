@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.backend:
         print("conformance: name a backend (see --list)", file=sys.stderr)
         return 2
-    import models as zoo
-    names = zoo.names() if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    from .cases import case_source
+    names = case_source().names() if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     try:
         options = load_options_file(args.options_file) if args.options_file else {}
         options.update(dict(args.option))

@@ -206,52 +206,47 @@ def test_streaming_answers_every_request_including_errors(served_rm2, gen) -> No
     assert len(errors) == 1 and "sparse_indices" in str(errors[0])
 
 
-def test_int8_tables_serve_close_to_the_fp32_model(gen) -> None:
-    """The host stage on row-wise int8 tables, end to end over gRPC: close to fp32, not equal."""
-    from partitioner.compile import partition_builtin
+def _serve_and_score(partitioned, backend: str, request: dict[str, np.ndarray]) -> np.ndarray:
+    """Serve ``partitioned`` on its own loopback server with ``backend`` cards; score one request."""
     from server.app import BackgroundServer, ServerConfig
     from server.batcher import BatchingConfig
     from server.core import InferenceCore
     from server.loader import load_partitioned
     from server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    served = load_partitioned(partitioned, backend=backend, metrics=metrics, batching=BatchingConfig())
+    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None), metrics) as bg:
+        with tc.InferenceServerClient(bg.url) as client:
+            return client.infer(partitioned.plan.model, triton_inputs(tc, request)).as_numpy("scores")
+
+
+def _model_scores(model, request: dict[str, np.ndarray]) -> np.ndarray:
     import torch
+    with torch.inference_mode():
+        return model(*[torch.from_numpy(request[k]) for k in
+                       ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
+
+
+def test_int8_tables_serve_close_to_the_fp32_model(gen) -> None:
+    """The host stage on row-wise int8 tables, end to end over gRPC: close to fp32, not equal."""
+    from partitioner.compile import partition_builtin
 
     model, partitioned = partition_builtin("rm2", max_rows=MAX_ROWS, seed=3, cards=2, table_precision="int8")
     assert partitioned.plan.partition("sparse").format == "tables"
     assert partitioned.plan.partition("sparse").param_bytes < MAX_ROWS * 32 * 64 * 4 / 3
-    metrics = ServerMetrics()
-    served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=BatchingConfig())
-    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None), metrics) as bg:
-        with tc.InferenceServerClient(bg.url) as client:
-            request = gen.make(64)
-            scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
-    with torch.inference_mode():
-        expected = model(*[torch.from_numpy(request[k]) for k in
-                           ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
-    diff = np.abs(scores - expected).max()
+    request = gen.make(64)
+    diff = np.abs(_serve_and_score(partitioned, "simcard", request) - _model_scores(model, request)).max()
     assert 0 < diff < 0.02, diff
 
 
 def test_the_torch_backend_serves_the_dense_part_too(gen) -> None:
     """--backend torch takes the dense partition as an FX module (no ONNX), and answers exactly."""
-    import torch
-
-    from partitioner.compile import partition_builtin
-    from server.app import BackgroundServer, ServerConfig
-    from server.batcher import BatchingConfig
-    from server.core import InferenceCore
-    from server.loader import load_partitioned
-    from server.metrics import ServerMetrics
+    from backends.registry import get_backend
+    from partitioner.compile import DENSE_PARTITION, partition_builtin
 
     model, partitioned = partition_builtin("rm2", max_rows=MAX_ROWS, seed=3, cards=2)
-    metrics = ServerMetrics()
-    served = load_partitioned(partitioned, backend="torch", metrics=metrics, batching=BatchingConfig())
-    assert all(card.artifact.format == "torch-fx" for card in served.runtime.cards)
-    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None), metrics) as bg:
-        with tc.InferenceServerClient(bg.url) as client:
-            request = gen.make(33)
-            scores = client.infer("rm2", triton_inputs(tc, request)).as_numpy("scores")
-    with torch.inference_mode():
-        expected = model(*[torch.from_numpy(request[k]) for k in
-                           ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
-    np.testing.assert_allclose(scores, expected, atol=ATOL, rtol=0)
+    assert partitioned.artifact_for(DENSE_PARTITION, get_backend("torch")).format == "torch-fx"
+    request = gen.make(33)
+    np.testing.assert_allclose(_serve_and_score(partitioned, "torch", request), _model_scores(model, request),
+                               atol=ATOL, rtol=0)

@@ -1,0 +1,47 @@
+"""Real dense partitions of the zoo models, for the backend conformance kit.
+
+The kit lives in ``backends`` and depends on nothing of ours; it finds this
+source through the ``sixfold.conformance_cases`` entry point, the same way
+sixfold finds backends. The source partitions a zoo model and feeds the dense
+partition the host stage's real outputs for generated requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from backends.api import Arrays, PartitionArtifact
+
+__all__ = ["ZooCases"]
+
+
+class ZooCases:
+    """``names()`` and ``build(model, max_rows, seed) -> (dense artifact, feed(rows) -> inputs)``."""
+
+    @staticmethod
+    def names() -> list[str]:
+        import models
+        return models.names()
+
+    @staticmethod
+    def build(model: str, max_rows: int, seed: int) -> tuple[PartitionArtifact, Callable[[int], Arrays]]:
+        import torch
+
+        import models
+
+        from .compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+
+        zoo, partitioned = partition_builtin(model, max_rows=max_rows, seed=seed, cards=1)
+        host, dense = partitioned.artifacts[HOST_PARTITION], partitioned.artifacts[DENSE_PARTITION]
+        generator = models.RequestGenerator.for_config(zoo.config, seed=seed + 1)
+
+        def feed(rows: int) -> Arrays:
+            request = generator.make(rows)
+            with torch.inference_mode():
+                out = host.payload(*[torch.from_numpy(np.ascontiguousarray(request[n])) for n in host.input_names])
+            env = {**request, **{n: t.numpy().copy() for n, t in zip(host.output_names, out)}}
+            return {n: env[n] for n in dense.input_names}
+
+        return dense, feed
