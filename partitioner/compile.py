@@ -165,7 +165,6 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
     card_infos = [DeviceInfo(id=f"card{i}", spec=spec) for i, spec in enumerate(cards)]
     placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
     costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
-    boundary_per_item = sum(large_b[n].numel() * large_b[n].element_size() for n in split.boundary) / 64
     io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
     estimates = _estimate([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
 
@@ -188,7 +187,6 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
         model=name, strategy=strategy, inputs=inputs, outputs=[_tensor_info(SCORES, scores)],
         partitions=[host_part, dense_part], devices=[host_info, *card_infos], placements=placements,
         estimates=estimates, tables=dict(tables or {}))
-    plan.tables.setdefault("boundary_bytes_per_item", boundary_per_item)
 
     artifacts = {
         HOST_PARTITION: PartitionArtifact(

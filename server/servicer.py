@@ -120,9 +120,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_grpc_errors
     async def ModelInfer(self, request, context):
-        inputs = decode_inputs(request)
-        model, outputs = await self.core.infer(request.model_name, request.model_version, inputs,
-                                               requested_outputs(request), request_timeout(request, context))
+        return await self._answer(request, request_timeout(request, context))
+
+    async def _answer(self, request: service_pb2.ModelInferRequest,
+                      timeout_s: float | None) -> service_pb2.ModelInferResponse:
+        """protobuf in -> core -> protobuf out: the one inference path of unary and streaming calls."""
+        model, outputs = await self.core.infer(request.model_name, request.model_version, decode_inputs(request),
+                                               requested_outputs(request), timeout_s)
         return encode_response(model.name, model.version, request.id, outputs)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -133,11 +137,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def answer(request: service_pb2.ModelInferRequest) -> None:
             self.core.rpc_started()
             try:
-                inputs = decode_inputs(request)
-                model, outputs = await self.core.infer(request.model_name, request.model_version, inputs,
-                                                       requested_outputs(request), request_timeout(request))
                 reply = service_pb2.ModelStreamInferResponse(
-                    infer_response=encode_response(model.name, model.version, request.id, outputs))
+                    infer_response=await self._answer(request, request_timeout(request)))
             except Exception as exc:  # noqa: BLE001 - every request gets an answer on the stream
                 if not isinstance(exc, ServingError):
                     log.exception("stream request %s failed", request.id)
