@@ -9,7 +9,8 @@ import pytest
 
 from loadgen.cli import main
 from loadgen.config import LoadConfig
-from loadgen.multiprocess import run_load_processes
+from loadgen.arrivals import parse_arrival
+from loadgen.multiprocess import run_load_processes, split_config
 
 
 def _config(server, **fields) -> LoadConfig:
@@ -26,9 +27,22 @@ def test_two_processes_offer_the_whole_rate_as_one_poisson_stream(fake_server) -
     assert sent == ok == len(server.seen.sizes)
     assert 120 < sent < 240  # 60 q/s for 3 s, Poisson
     assert 40 < report.achieved_qps < 80
-    gaps = np.diff(np.sort(np.asarray(server.seen.arrivals)))
-    assert 0.6 < gaps.mean() * 60 < 1.6 and 0.6 < gaps.std() / gaps.mean() < 1.5  # merged stream stays Poisson
     assert report.latency_ms["p50"] >= 5.0
+
+
+def test_children_schedules_merge_into_one_poisson_stream_at_the_full_rate() -> None:
+    # Checked on the planned schedules, not on server arrival times: on a loaded 2-core CI
+    # machine the arrival times measure the scheduler's jitter as much as the generator.
+    config = LoadConfig(url="127.0.0.1:1", model="m", qps=600.0, duration_s=10.0, seed=1)
+    parts = []
+    for i in range(3):
+        child = split_config(config, 3, i)
+        assert child.qps == pytest.approx(200.0)
+        parts.append(parse_arrival(child.arrival).offsets(child.qps, child.duration_s,
+                                                          np.random.default_rng(child.seed)))
+    assert len({p.tobytes() for p in parts}) == 3  # each child has its own seed
+    gaps = np.diff(np.sort(np.concatenate(parts)))
+    assert 0.9 < gaps.mean() * 600 < 1.1 and 0.9 < gaps.std() / gaps.mean() < 1.1
 
 
 def test_processes_refuse_modes_they_cannot_split(fake_server, tmp_path) -> None:
