@@ -39,6 +39,8 @@ class ServerConfig:
     tls_cert: str | None = None
     """PEM certificate chain; with ``tls_key``, gRPC is served over TLS only."""
     tls_key: str | None = None
+    control_token: str | None = None
+    """When set, model-control RPCs need ``authorization: Bearer <token>``."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -63,7 +65,8 @@ class SixfoldServer:
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         server = self._server = grpc.aio.server(options=options)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core), server)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core, control_token=self.config.control_token),
+                                                            server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.grpc_port}"
         if self.config.tls_cert and self.config.tls_key:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -16,6 +17,8 @@ from backends.api import BackendError
 from .app import ServerConfig, SixfoldServer
 from .batcher import BatchingConfig
 from .core import InferenceCore
+from .errors import ServingError
+from .logs import configure_logging
 from .metrics import ServerMetrics
 
 __all__ = ["main"]
@@ -24,6 +27,15 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sixfold-serve", description=__doc__)
     p.add_argument("--model", help=f"built-in model to serve: {', '.join(models.names())}")
+    p.add_argument("--model-repository", metavar="REPO",
+                   help="serve the models in REPO (REPO/NAME/VERSION/plan.json, written by sixfold-partition --out)")
+    p.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
+                   help="none: load every repository model at start; explicit: clients load and unload models "
+                        "(RepositoryModelLoad/Unload), and only --load-model ones load at start")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="with --model-control-mode explicit: load NAME at start ('*' for all; repeatable)")
+    p.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
+                   help="bearer token model-control RPCs must carry (default: $SIXFOLD_CONTROL_TOKEN; unset: none)")
     p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     p.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
@@ -51,13 +63,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="drop a request still queued after this long with DEADLINE_EXCEEDED (0: only client deadlines)")
     p.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="json: one JSON object per line (for log collectors)")
     return p
 
 
 async def _serve(args: argparse.Namespace, console: Console) -> int:
-    from .loader import load_builtin
+    from partitioner.explain import print_plan
 
+    from .loader import load_builtin, load_from_repository
+    from .model_control import ModelControl
+    from .repository import ModelRepository
     from backends.options import load_options_file, parse_option
+
     backend_options = load_options_file(args.backend_options_file) if args.backend_options_file else {}
     backend_options.update(parse_option(text) for text in args.backend_option)
     metrics = ServerMetrics()
@@ -65,22 +83,48 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                               max_queue_delay_microseconds=args.max_queue_delay_us,
                               max_queue_size=args.max_queue_size,
                               default_timeout_microseconds=args.default_timeout_us)
-    with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
-        served = await asyncio.to_thread(
-            load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
-            backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
-            table_precision=args.table_precision, backend_options=backend_options,
-            max_card_rows=args.max_card_batch_rows)
-    from partitioner.explain import print_plan
-    print_plan(served.plan, console)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                          max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    server = SixfoldServer(InferenceCore([served]), config, metrics)
+                          max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          control_token=args.control_token or None)
+    served_models = []
+    if args.model:
+        with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
+            served = await asyncio.to_thread(
+                load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
+                backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
+                table_precision=args.table_precision, backend_options=backend_options,
+                max_card_rows=args.max_card_batch_rows)
+        print_plan(served.plan, console)
+        served_models.append(served)
+    core = InferenceCore(served_models)
+    if args.model_repository:
+        repository = ModelRepository(args.model_repository)
+
+        def load(repo: ModelRepository, name: str, version: str):
+            return load_from_repository(repo, name, version, backend=args.backend, metrics=metrics,
+                                        batching=batching, backend_options=backend_options,
+                                        max_card_rows=args.max_card_batch_rows)
+
+        control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
+        names = repository.names()
+        if args.model_control_mode == "explicit" and "*" not in args.load_model:
+            unknown = sorted(set(args.load_model) - set(names))
+            if unknown:
+                raise ValueError(f"--load-model {unknown}: not in {args.model_repository} (it has {names})")
+            names = [n for n in names if n in args.load_model]
+        for name in names:
+            with console.status(f"loading {name} from {args.model_repository}..."):
+                await control.load(name)
+            print_plan(core.model(name).plan, console)
+    if not core.versions and args.model_control_mode != "explicit":
+        raise ValueError(f"no model to serve: {args.model_repository} has no model folders")
+    server = SixfoldServer(core, config, metrics)
     port = await server.start()
     metrics_at = f"http://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
-    console.print(f"sixfold-serve: serving {served.name} (version {served.version}) on "
-                  f"{args.host}:{port} with {len(served.runtime.cards)} {args.backend} cards; metrics {metrics_at}")
+    serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} cards)" for m in core.all_versions())
+    console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} "
+                  f"with {args.backend} cards; metrics {metrics_at}")
     console.print(f"READY grpc={args.host}:{port}", highlight=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,14 +139,14 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     console = Console(stderr=False, highlight=False)
     if args.list_backends:
         from backends.registry import describe
         print(describe())
         return 0
-    if not args.model:
-        print("sixfold-serve: --model is required (or --list-backends)", file=sys.stderr)
+    if not args.model and not args.model_repository:
+        print("sixfold-serve: give --model NAME or --model-repository REPO (or --list-backends)", file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -111,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run
     try:
         return run(_serve(args, console))
+    except ServingError as exc:
+        print(f"sixfold-serve: {exc.message}", file=sys.stderr)
+        return 2
     except (KeyError, ValueError, MemoryError, FileNotFoundError, OSError, BackendError) as exc:
         print(f"sixfold-serve: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

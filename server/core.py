@@ -13,12 +13,26 @@ from .model import ServedModel
 __all__ = ["InferenceCore"]
 
 
+def _version_key(version: str) -> tuple[int, str]:
+    return (int(version), version) if version.isdigit() else (-1, version)
+
+
 class InferenceCore:
+    """Every ready model version, by name. A request without a version goes to the newest one.
+
+    Adding and removing versions happens on the event loop between awaits, so a
+    request sees either the old set or the new one, never a half-made model.
+    """
+
     def __init__(self, models: Iterable[ServedModel] = ()) -> None:
-        self.models: dict[str, ServedModel] = {m.name: m for m in models}
+        self.versions: dict[str, dict[str, ServedModel]] = {}
+        for model in models:
+            self.add(model)
         self.accepting = True
         self.active_rpcs = 0
         self.last_rpc_at = 0.0
+        self.control = None
+        """A ModelControl when the server has a model repository (RepositoryIndex/Load/Unload)."""
 
     def rpc_started(self) -> None:
         self.active_rpcs += 1
@@ -29,14 +43,46 @@ class InferenceCore:
 
     @property
     def ready(self) -> bool:
-        return self.accepting and bool(self.models)
+        return self.accepting and bool(self.versions)
+
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        """The newest version of every model."""
+        return {name: self._latest(name) for name in sorted(self.versions)}
+
+    def all_versions(self) -> list[ServedModel]:
+        return [m for name in sorted(self.versions)
+                for _, m in sorted(self.versions[name].items(), key=lambda kv: _version_key(kv[0]))]
+
+    def _latest(self, name: str) -> ServedModel:
+        versions = self.versions[name]
+        return versions[max(versions, key=_version_key)]
+
+    def add(self, model: ServedModel) -> ServedModel | None:
+        """Serve ``model``; returns the version it replaces (same name and version), if any."""
+        versions = self.versions.setdefault(model.name, {})
+        old = versions.get(model.version)
+        versions[model.version] = model
+        return old
+
+    def remove(self, name: str, version: str) -> ServedModel | None:
+        """Stop routing to one version; the caller drains and closes it."""
+        versions = self.versions.get(name, {})
+        model = versions.pop(version, None)
+        if not versions:
+            self.versions.pop(name, None)
+        return model
 
     def model(self, name: str, version: str = "") -> ServedModel:
-        model = self.models.get(name)
+        versions = self.versions.get(name)
+        if not versions:
+            raise ModelNotFound(f"unknown model '{name}'; serving: {sorted(self.versions)}")
+        if version == "":
+            return self._latest(name)
+        model = versions.get(version)
         if model is None:
-            raise ModelNotFound(f"unknown model '{name}'; serving: {sorted(self.models)}")
-        if version not in ("", model.version):
-            raise ModelNotFound(f"model '{name}' has no version '{version}'; versions: ['{model.version}']")
+            raise ModelNotFound(f"model '{name}' has no version '{version}'; "
+                                f"versions: {sorted(versions, key=_version_key)}")
         return model
 
     async def infer(self, name: str, version: str, inputs: dict[str, np.ndarray],
@@ -49,7 +95,8 @@ class InferenceCore:
     async def shutdown(self) -> None:
         """Stop accepting, answer what is queued and running, then release the devices."""
         self.accepting = False
-        for model in self.models.values():
+        models = self.all_versions()
+        for model in models:
             await model.batcher.close(drain=True)
-        for model in self.models.values():
+        for model in models:
             model.runtime.close()

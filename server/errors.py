@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["ServingError", "InvalidInput", "ModelNotFound", "Unavailable", "Overloaded", "DeadlineExceeded", "InternalError"]
+__all__ = ["ServingError", "InvalidInput", "ModelNotFound", "Unavailable", "Overloaded", "DeadlineExceeded", "InternalError",
+           "Unauthenticated"]
 
 
 class ServingError(Exception):
@@ -46,3 +47,8 @@ class DeadlineExceeded(ServingError):
 class InternalError(ServingError):
     code = grpc.StatusCode.INTERNAL
     reason = "backend"
+
+
+class Unauthenticated(ServingError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "unauthenticated"

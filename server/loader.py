@@ -4,26 +4,39 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
 from backends import registry
+from backends.api import Backend, PartitionArtifact
 from backends.spec import DeviceSpec
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, PartitionedModel, partition_builtin
+from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+from partitioner.plan import PartitionPlan
 
 from .batcher import BatchingConfig, DynamicBatcher
 from .metrics import ServerMetrics
 from .model import ServedModel
+from .repository import ModelRepository
 from .runtime import PlanRuntime
 
-__all__ = ["load_partitioned", "load_builtin"]
+__all__ = ["load_partitioned", "load_builtin", "load_from_repository"]
 
 log = logging.getLogger(__name__)
 
 # The host (sparse) stage runs on the backend that takes its artifact's format.
-_HOST_BACKENDS = {"torch-fx": "torch", "tables": "host-embedding"}
+_HOST_BACKENDS = {"torch-fx": "torch", "tables": "host-embedding", "onnx": "onnxruntime"}
 
 
-def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: ServerMetrics,
-                     batching: BatchingConfig, version: str = "1",
+class Loadable(Protocol):
+    """A plan and its artifacts: a fresh PartitionedModel or a version read from a repository."""
+
+    plan: PartitionPlan
+    artifacts: dict[str, PartitionArtifact]
+
+    def artifact_for(self, partition: str, backend: Backend) -> PartitionArtifact: ...
+
+
+def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
+                     batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None) -> ServedModel:
     """Load the host stage on the torch backend and a dense replica on every placed card."""
     plan = partitioned.plan
@@ -45,7 +58,7 @@ def load_partitioned(partitioned: PartitionedModel, *, backend: str, metrics: Se
     runtime = PlanRuntime(host, cards, reload_card=lambda i: card_backend.load(dense, card_specs[i]),
                           max_card_rows=max_card_rows)
     inflight = batching.max_inflight_batches or len(cards) + 1
-    served = ServedModel(name=plan.model, version=version, plan=plan, runtime=runtime,
+    served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics)  # type: ignore[arg-type]
     served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight)
     tables = plan.tables
@@ -67,4 +80,13 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        table_precision=table_precision)
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
+                            backend_options=backend_options, max_card_rows=max_card_rows)
+
+
+def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
+                         metrics: ServerMetrics, batching: BatchingConfig, backend_options: dict | None = None,
+                         max_card_rows: int | None = None) -> ServedModel:
+    """Load version ``version`` of repository model ``name`` (served under the folder's name)."""
+    read = repository.read(name, version)
+    return load_partitioned(read, backend=backend, metrics=metrics, batching=batching, version=version, name=name,
                             backend_options=backend_options, max_card_rows=max_card_rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from . import __version__
 from .codec import decode_inputs, encode_response, request_timeout, requested_outputs
 from .core import InferenceCore
-from .errors import ServingError
+from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from .model import ServedModel
 
 __all__ = ["InferenceServicer"]
@@ -68,8 +69,26 @@ def _duration(d: Any) -> service_pb2.StatisticDuration:
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(self, core: InferenceCore, *, control_token: str | None = None) -> None:
         self.core = core
+        self.control_token = control_token
+        """When set, RepositoryModelLoad/Unload need ``authorization: Bearer <token>`` metadata."""
+
+    def _control(self, context: grpc.aio.ServicerContext, *, changes: bool):
+        """The ModelControl, after checking that model control is on and the caller may use it."""
+        control = self.core.control
+        if control is None:
+            raise Unavailable("this server has no model repository (start sixfold-serve with --model-repository)")
+        if not changes:
+            return control
+        if not control.explicit:
+            raise Unavailable("model control is disabled; start sixfold-serve with --model-control-mode explicit")
+        if self.control_token is not None:
+            given = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.control_token}".encode()):
+                raise Unauthenticated("model control needs the header 'authorization: Bearer <token>' "
+                                      "with the server's --control-token")
+        return control
 
     @_grpc_errors
     async def ServerLive(self, request, context):
@@ -81,8 +100,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_grpc_errors
     async def ServerMetadata(self, request, context):
-        return service_pb2.ServerMetadataResponse(name="sixfold", version=__version__,
-                                                  extensions=["model_configuration", "statistics"])
+        extensions = ["model_configuration", "statistics"]
+        if self.core.control is not None:
+            extensions.append("model_repository")
+        return service_pb2.ServerMetadataResponse(name="sixfold", version=__version__, extensions=extensions)
 
     @_grpc_errors
     async def ModelReady(self, request, context):
@@ -96,7 +117,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         model = self.core.model(request.name, request.version)
         return service_pb2.ModelMetadataResponse(
-            name=model.name, versions=[model.version], platform="sixfold",
+            name=model.name, versions=sorted(self.core.versions.get(model.name, {model.version: model}),
+                                             key=lambda v: (len(v), v)), platform="sixfold",
             inputs=_tensor_metadata(model.plan.inputs), outputs=_tensor_metadata(model.plan.outputs))
 
     @_grpc_errors
@@ -105,7 +127,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_grpc_errors
     async def ModelStatistics(self, request, context):
-        models = [self.core.model(request.name, request.version)] if request.name else list(self.core.models.values())
+        models = [self.core.model(request.name, request.version)] if request.name else self.core.all_versions()
         response = service_pb2.ModelStatisticsResponse()
         for model in models:
             s = model.stats
@@ -117,6 +139,28 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
                     compute_output=_duration(s.compute_output)))
         return response
+
+    @_grpc_errors
+    async def RepositoryIndex(self, request, context):
+        control = self._control(context, changes=False)
+        response = service_pb2.RepositoryIndexResponse()
+        for state in control.index(ready_only=request.ready):
+            response.models.add(name=state.name, version=state.version, state=state.state, reason=state.reason)
+        return response
+
+    @_grpc_errors
+    async def RepositoryModelLoad(self, request, context):
+        if not request.model_name:
+            raise InvalidInput("RepositoryModelLoad: model_name is empty")
+        await self._control(context, changes=True).load(request.model_name)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_grpc_errors
+    async def RepositoryModelUnload(self, request, context):
+        if not request.model_name:
+            raise InvalidInput("RepositoryModelUnload: model_name is empty")
+        await self._control(context, changes=True).unload(request.model_name)
+        return service_pb2.RepositoryModelUnloadResponse()
 
     @_grpc_errors
     async def ModelInfer(self, request, context):
