@@ -77,6 +77,8 @@ CONFIGS: dict[str, ModelConfig] = {
         ModelConfig("dcnv2-mlperf", MLPERF_TABLE_ROWS, 128, DCNV2_MULTI_HOT, (13, 512, 256, 128),
                     (1024, 1024, 512, 256, 1), interaction="dcn", dcn_layers=3, dcn_rank=512,
                     notes="MLPerf DLRM-DCNv2, multi-hot 1..100"),
+        ModelConfig("tiny", (100,) * 3, 8, (2,) * 3, (4, 8, 8), (8, 1),
+                    notes="trivial DLRM (3 x 100 rows, dim 8): compute ~0, for serving-overhead benchmarks"),
     )
 }
 

@@ -1,8 +1,10 @@
 """Write a partitioned model to a model-repository version folder.
 
     DIR/plan.json           the plan (plain data)
-    DIR/dense.onnx          the dense partition
-    DIR/tables/NAME.npy     each host weight (embedding tables), memory-mappable
+    DIR/dense.onnx          the dense partition (pipelined: dense.0.onnx, dense.1.onnx, ... per stage)
+    DIR/tables/table_NNN.npy  a table-batched host stage: one file per table, memory-mappable
+    DIR/host.pt2            any other torch host stage, as a torch.export archive
+    DIR/host.onnx           an ONNX model's host stage (tables, lookups, pooling), for onnxruntime
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .compile import DENSE_PARTITION, HOST_PARTITION, PartitionedModel
+from models.signature import INDICES, LENGTHS
+
+from .compile import HOST_PARTITION, PartitionedModel
+from .host_export import export_host_program
 
 __all__ = ["write_artifacts"]
 
@@ -19,25 +24,37 @@ __all__ = ["write_artifacts"]
 def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
     """Write plan, ONNX and tables under ``out``; returns the plan's path."""
     out = Path(out)
-    (out / "tables").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     plan = partitioned.plan
-    dense = partitioned.artifacts[DENSE_PARTITION]
-    (out / "dense.onnx").write_bytes(dense.payload)
-    plan.partition(DENSE_PARTITION).artifact = "dense.onnx"
+    for stage in plan.dense_stages():  # "dense", or pipeline stages "dense.0", "dense.1", ...
+        (out / f"{stage}.onnx").write_bytes(partitioned.artifacts[stage].payload)
+        plan.partition(stage).artifact = f"{stage}.onnx"
 
+    if partitioned.artifacts[HOST_PARTITION].format == "onnx":
+        # An ONNX model's host stage (tables, lookups, pooling) is one ONNX graph for onnxruntime.
+        (out / "host.onnx").write_bytes(partitioned.artifacts[HOST_PARTITION].payload)
+        plan.partition(HOST_PARTITION).artifact = "host.onnx"
+        plan.save(out / "plan.json")
+        return out / "plan.json"
     host_module = partitioned.split.host  # the fp32 tables; other precisions are derived at load
     rows = plan.tables.get("rows")
-    for name, tensor in {**dict(host_module.named_parameters()), **dict(host_module.named_buffers())}.items():
-        array = tensor.detach().cpu().numpy()
-        if name.endswith("weight") and rows and array.shape[0] == sum(rows):
-            # One file per table, so a table can be mapped, sharded or replaced alone.
-            start = 0
-            for t, count in enumerate(rows):
-                np.save(out / "tables" / f"table_{t:03d}.npy", array[start:start + count])
-                start += count
-        else:
-            np.save(out / "tables" / f"{name}.npy", array)
-    plan.partition(HOST_PARTITION).artifact = "tables/"
+    host_artifact = partitioned.artifacts[HOST_PARTITION]
+    weights = {**dict(host_module.named_parameters()), **dict(host_module.named_buffers())}
+    fused = [n for n, t in weights.items() if n.endswith("weight") and rows and t.shape[0] == sum(rows)]
+    if host_artifact.format == "tables" or (len(fused) == 1 and len(host_artifact.output_names) == 1
+                                            and list(host_artifact.input_names) == [LENGTHS, INDICES]):
+        # One table-batched lookup: one file per table, so a table can be mapped, sharded or replaced alone.
+        (out / "tables").mkdir(parents=True, exist_ok=True)
+        array = weights[fused[0]].detach().cpu().numpy()
+        start = 0
+        for t, count in enumerate(rows):
+            np.save(out / "tables" / f"table_{t:03d}.npy", array[start:start + count])
+            start += count
+        plan.partition(HOST_PARTITION).artifact = "tables/"
+        plan.partition(HOST_PARTITION).format = "tables"
+    else:  # any other host graph is saved whole and runs on the torch backend
+        export_host_program(host_module, plan, list(host_artifact.input_names), out / "host.pt2")
+        plan.partition(HOST_PARTITION).artifact = "host.pt2"
     path = out / "plan.json"
     plan.save(path)
     return path

@@ -17,11 +17,13 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sixfold-partition", description=__doc__)
-    p.add_argument("model_file", nargs="?", help="a torch.export archive (.pt2) of a model taking the "
-                   "canonical request (dense_features, sparse_lengths, sparse_indices)")
+    p.add_argument("model_file", nargs="?", help="a torch.export archive (.pt2) or an ONNX model (.onnx) "
+                   "taking the canonical request (dense_features, sparse_lengths, sparse_indices); in ONNX, "
+                   "lookups are Gather nodes on 2-D initializers (the tables)")
     p.add_argument("--model", help=f"a built-in model instead of a file: {', '.join(models.names())}")
     p.add_argument("--name", help="model name in the plan (default: the file's stem)")
-    p.add_argument("--pooling", type=int, default=1, help="ids per (item, table) to trace a file model with")
+    p.add_argument("--pooling", type=int, default=None, help="ids per (item, table) to trace a file model with "
+                   "(default: 1 for .pt2; for .onnx, the first the model runs with)")
     p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cards", type=int, default=6, help="number of accelerator cards (default 6)")
@@ -30,6 +32,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
                    help="row-wise precision of the embedding tables (built-in models)")
     p.add_argument("--batch-rows", type=int, default=256, help="batch size the estimates are for")
+    p.add_argument("--strategy", default="auto", choices=["auto", "replicate", "pipeline"],
+                   help="dense placement: replicate on every card, pipeline in stages across cards, or auto "
+                   "(replicate when the dense part fits a card, else pipeline)")
+    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16"],
+                   help="weights and compute of the dense (card) partition; its inputs/outputs stay fp32")
+    p.add_argument("--accuracy-report", action="store_true",
+                   help="score synthetic labelled items through fp32 and the chosen precisions; "
+                   "print it and write OUT/accuracy.json")
+    p.add_argument("--accuracy-items", type=int, default=4096, help="items the accuracy report scores")
+    p.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"], default=None,
+                   help="also place embedding tables on the cards as table-, row- or column-wise shards "
+                   "balanced by lookup cost (auto: the lowest bottleneck); what does not fit stays on the host")
     p.add_argument("--draw", metavar="PNG", help="also draw the graph with partitions coloured")
     p.add_argument("--out", required=True, help="output folder (a model-repository version folder)")
     return p
@@ -45,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False)
     err = Console(stderr=True)
     from .artifacts import write_artifacts
-    from .compile import partition_builtin, partition_file
+    from .compile import HOST_PARTITION, partition_builtin, partition_file
     from .explain import print_plan
     if bool(args.model) == bool(args.model_file):
         err.print("sixfold-partition: give either MODEL_FILE or --model NAME")
@@ -56,22 +70,41 @@ def main(argv: list[str] | None = None) -> int:
                 _, partitioned = partition_builtin(
                     args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
                     card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows,
-                    table_precision=args.table_precision)
+                    table_precision=args.table_precision, strategy=args.strategy)
             else:
                 partitioned = partition_file(
                     args.model_file, name=args.name, cards=args.cards, card_spec=args.card_spec,
-                    host_spec=args.host_spec, pooling=args.pooling, batch_rows=args.batch_rows)
+                    host_spec=args.host_spec, pooling=args.pooling, batch_rows=args.batch_rows,
+                    strategy=args.strategy)
+            reference = None
+            if args.accuracy_report:
+                from .accuracy import reference_artifacts
+                reference = reference_artifacts(partitioned)
+            from .precision import apply_dense_precision
+            apply_dense_precision(partitioned, args.dense_precision)
+            if args.sparse_on_cards:
+                from .sharding import shard_tables
+                shard_tables(partitioned, args.sparse_on_cards)
             path = write_artifacts(partitioned, args.out)
+        if reference is not None:
+            from .accuracy import accuracy_report, print_accuracy
+            with console.status(f"scoring {args.accuracy_items} items for the accuracy report..."):
+                report = accuracy_report(reference, partitioned, partitioned.plan, items=args.accuracy_items,
+                                         seed=args.seed + 1)
     except (KeyError, ValueError, MemoryError, FileNotFoundError, RuntimeError) as exc:
         err.print(f"[red]sixfold-partition: {exc.args[0] if exc.args else exc}[/]")
         return 2
     print_plan(partitioned.plan, console)
+    if reference is not None:
+        print_accuracy(report, console)
+        console.print(f"wrote {report.save(path.parent / 'accuracy.json')}")
     if args.draw:
-        from .draw import draw_cut
-        drawn = draw_cut(partitioned.graph, partitioned.labels, args.draw,
-                         title=f"{partitioned.plan.model}: host (sparse) vs cards (dense)")
+        from .draw import draw_partitioned
+        drawn = draw_partitioned(partitioned, args.draw,
+                                 title=f"{partitioned.plan.model}: host (sparse) vs cards (dense)")
         console.print(f"drew {drawn}")
-    console.print(f"wrote {path.parent}/ (plan.json, dense.onnx, tables/)")
+    onnx = ", ".join(f"{d}.onnx" for d in partitioned.plan.dense_stages())
+    console.print(f"wrote {path.parent}/ (plan.json, {onnx}, {partitioned.plan.partition(HOST_PARTITION).artifact})")
     return 0
 
 

@@ -29,7 +29,8 @@ from .frontend import export_model
 from .graph_cut import SplitGraph, cut_graph
 from .plan import (DeviceEstimate, DeviceInfo, Estimates, PartitionInfo, PartitionPlan, TensorInfo)
 from .sparse_dense import assign_sparse_dense
-from .strategy import replicate
+from .pipeline import node_costs, run_stages, split_stages
+from .strategy import STRATEGIES, PlanError, auto_refusal, choose, pipeline, replicate
 
 __all__ = ["PartitionedModel", "partition_model", "partition_builtin", "partition_file", "quantize_tables", "HOST_PARTITION", "DENSE_PARTITION"]
 
@@ -48,11 +49,12 @@ class PartitionedModel:
 
     plan: PartitionPlan
     artifacts: dict[str, PartitionArtifact]
-    split: SplitGraph
+    split: SplitGraph | None = None
+    """The torch cut (None for an ONNX model, whose halves are already ONNX artifacts)."""
     graph: Any = None
-    """The exported graph module the cut was made on (for drawing)."""
+    """The exported graph module the cut was made on (for drawing); an onnx.ModelProto for ONNX models."""
     labels: dict = field(default_factory=dict)
-    """Its node -> partition labels."""
+    """Its node -> partition labels (node names for ONNX models)."""
     variants: dict[str, list[PartitionArtifact]] = field(default_factory=dict)
     """Other formats of the same partition (the dense part as a torch FX module, say)."""
 
@@ -106,14 +108,16 @@ def _estimate(plan_devices: list[DeviceInfo], placements, costs: dict[str, Parti
         names = [p.partition for p in placements if p.device == device.id]
         if not names:
             continue
-        seconds = 0.0
+        seconds = transfer = 0.0
         for name in names:
             in_per, out_per = io_bytes[name]
             seconds += stage_seconds(device.spec, costs[name], batch_rows, in_per * batch_rows, out_per * batch_rows)
+            transfer += (device.spec.transfer_seconds(in_per * batch_rows)
+                         + device.spec.transfer_seconds(out_per * batch_rows))
         memory = sum(costs[n].param_bytes for n in names)
         per_device.append(DeviceEstimate(device=device.id, partitions=names, memory_bytes=memory,
                                          memory_capacity=device.spec.memory_bytes,
-                                         batch_seconds=seconds, utilisation=0.0))
+                                         batch_seconds=seconds, utilisation=0.0, transfer_seconds=transfer))
     # Throughput bound: each partition's replicas share its load; the slowest stage limits.
     for name in costs:
         replicas = [d for d in per_device if name in d.partitions]
@@ -128,18 +132,22 @@ def _estimate(plan_devices: list[DeviceInfo], placements, costs: dict[str, Parti
                      throughput_items_per_s=bound, latency_ms=latency * 1e3)
 
 
-def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
+def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedProgram, example: ExampleFn, *,
                     cards: list[DeviceSpec], host: DeviceSpec, tables: dict | None = None,
-                    strategy: str = "replicate", batch_rows: int = 256) -> PartitionedModel:
+                    strategy: str = "auto", batch_rows: int = 256) -> PartitionedModel:
     """Cut ``model`` into a host (sparse) and a dense partition and place them.
 
     ``example(rows)`` returns a real canonical request of ``rows`` items; it is
     used for export, for measuring FLOPs per item and for the ONNX export.
+    ``strategy``: "replicate" the dense partition on every card, "pipeline" it
+    in stages across cards, or "auto" (replicate when it fits a card).
     """
-    if strategy != "replicate":
-        raise ValueError(f"unknown strategy {strategy!r}; available: replicate")
+    if strategy not in STRATEGIES:  # fail before the export, not after
+        raise ValueError(f"unknown strategy {strategy!r}; available: {', '.join(STRATEGIES)}")
     small, large = example(4), example(64)
-    program = export_model(model, tuple(small[n] for n in (DENSE, LENGTHS, INDICES)))
+    # An archive is already an export with the user's own dynamic shapes: cut it as it is.
+    program = model if isinstance(model, torch.export.ExportedProgram) else export_model(
+        model, tuple(small[n] for n in (DENSE, LENGTHS, INDICES)))
     gm = program.module()
     labels = assign_sparse_dense(gm.graph)
     split = cut_graph(gm, labels, [SCORES])
@@ -159,13 +167,23 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
         bytes_per_item=2.0 * dense_in_per_item, weight_bytes_per_batch=dense_param)
     out_per_item = 4.0
 
-    onnx_bytes = _export_onnx(split.dense, large_args, split.dense_inputs, [SCORES])
-
     host_info = DeviceInfo(id="host", spec=host)
     card_infos = [DeviceInfo(id=f"card{i}", spec=spec) for i, spec in enumerate(cards)]
-    placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
-    costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
-    io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
+    requested, strategy = strategy, choose(strategy, dense_cost, card_infos)
+    if strategy == "pipeline":
+        try:
+            staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows)
+        except PlanError as exc:
+            raise (auto_refusal(dense_cost, card_infos, exc) if requested == "auto" else exc) from None
+        placements = staged.placements
+        costs = {HOST_PARTITION: host_cost, **staged.costs}
+        io_bytes = {HOST_PARTITION: (0.0, 0.0), **staged.io_bytes}
+    else:
+        staged = None
+        placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
+        costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
+        io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
+    onnx_bytes = _export_onnx(split.dense, large_args, split.dense_inputs, [SCORES]) if staged is None else b""
     estimates = _estimate([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
 
     with torch.inference_mode():
@@ -204,8 +222,58 @@ def partition_model(name: str, model: torch.nn.Module, example: ExampleFn, *,
         name=DENSE_PARTITION, format="torch-fx", payload=split.dense.eval(),
         input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_param,
         flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item)
+    variants = {DENSE_PARTITION: [dense_fx]}
+    if staged is not None:  # the stages stand in for the one dense partition
+        plan.partitions = [host_part, *staged.infos]
+        del artifacts[DENSE_PARTITION]
+        artifacts.update(staged.artifacts)
+        variants = staged.variants
     return PartitionedModel(plan=plan, artifacts=artifacts, split=split, graph=gm, labels=labels,
-                            variants={DENSE_PARTITION: [dense_fx]})
+                            variants=variants)
+
+
+@dataclass
+class _Staged:
+    placements: list
+    costs: dict[str, PartitionCost]
+    io_bytes: dict[str, tuple[float, float]]
+    infos: list[PartitionInfo]
+    artifacts: dict[str, PartitionArtifact]
+    variants: dict[str, list[PartitionArtifact]]
+
+
+def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], large_args: tuple[torch.Tensor, ...],
+                     host_info: DeviceInfo, card_infos: list[DeviceInfo], batch_rows: int) -> _Staged:
+    """Pick cut points (strategy.pipeline), cut the dense graph there (pipeline.split_stages), export each stage."""
+    graph_costs = node_costs(split.dense, small_args, 4, large_args, 64)
+    choice = pipeline(HOST_PARTITION, DENSE_PARTITION, graph_costs, host_info, card_infos, batch_rows=batch_rows)
+    stages = split_stages(split.dense, choice.cuts, [SCORES])
+    stage_inputs, final = run_stages(stages, dict(zip(split.dense_inputs, large_args)))
+    bounds = [0, *choice.cuts, len(graph_costs.nodes)]
+    staged = _Staged(list(choice.placements), {}, {}, [], {}, {})
+    for stage, name, inputs, (a, b) in zip(stages, choice.stage_names, stage_inputs, zip(bounds[:-1], bounds[1:])):
+        in_per, out_per = graph_costs.live_bytes_per_item(a), graph_costs.produced_bytes_per_item(a, b)
+        weights = graph_costs.stage_param_bytes(a, b)
+        cost = PartitionCost(param_bytes=weights, flops_per_item=graph_costs.stage_flops_per_item(a, b),
+                             bytes_per_item=in_per + out_per, weight_bytes_per_batch=weights)
+        staged.costs[name], staged.io_bytes[name] = cost, (in_per, out_per)
+        with torch.inference_mode():
+            outputs = dict(zip(stage.outputs, stage.module(*inputs.values())))
+        staged.infos.append(PartitionInfo(
+            name=name, kind="dense", format="onnx",
+            inputs=[_tensor_info(n, t) for n, t in inputs.items()],
+            outputs=[_tensor_info(n, t) for n, t in outputs.items()], nodes=stage.nodes,
+            param_bytes=weights, flops_per_item=cost.flops_per_item, bytes_per_item=cost.bytes_per_item))
+        onnx = _export_onnx(stage.module, tuple(inputs.values()), stage.inputs, stage.outputs)
+        made = [PartitionArtifact(
+            name=name, format=fmt, payload=payload, input_names=tuple(stage.inputs),
+            output_names=tuple(stage.outputs), param_bytes=weights, flops_per_item=cost.flops_per_item,
+            bytes_per_item=cost.bytes_per_item, metadata={"stage": stage.index, "passthrough": stage.passthrough})
+            for fmt, payload in (("onnx", onnx), ("torch-fx", stage.module.eval()))]
+        staged.artifacts[name], staged.variants[name] = made[0], made[1:]
+    if set(final) != {SCORES}:
+        raise AssertionError(f"pipeline stages return {sorted(final)}, not [{SCORES!r}]")
+    return staged
 
 
 def builtin_example(config: models.ModelConfig, seed: int = 0) -> ExampleFn:
@@ -246,7 +314,8 @@ def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, preci
 
 def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, cards: int = 6,
                       card_spec: str | DeviceSpec = "m2-card", host_spec: str | DeviceSpec = "host-cpu",
-                      batch_rows: int = 256, table_precision: str = "fp32") -> tuple[models.DLRM, PartitionedModel]:
+                      batch_rows: int = 256, table_precision: str = "fp32",
+                      strategy: str = "auto") -> tuple[models.DLRM, PartitionedModel]:
     """Build a zoo model and partition it onto ``cards`` identical cards plus the host.
 
     ``table_precision`` other than fp32 serves the tables row-wise quantized (fp16/int8/int4).
@@ -258,23 +327,48 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
     tables = {"rows": list(config.table_rows), "dim": config.embedding_dim,
               "pooling": list(config.pooling), "zipf": config.zipf}
     partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
-                                  host=host, tables=tables, batch_rows=batch_rows)
+                                  host=host, tables=tables, batch_rows=batch_rows, strategy=strategy)
     if table_precision != "fp32":
         quantize_tables(partitioned, model, table_precision)
     return model, partitioned
 
 
 def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_spec: str | DeviceSpec = "m2-card",
-                   host_spec: str | DeviceSpec = "host-cpu", pooling: int = 1,
-                   batch_rows: int = 256) -> PartitionedModel:
-    """Partition a ``torch.export`` archive (.pt2) of any model taking the canonical request."""
+                   host_spec: str | DeviceSpec = "host-cpu", pooling: int | None = None,
+                   batch_rows: int = 256, strategy: str = "auto") -> PartitionedModel:
+    """Partition a ``torch.export`` archive (.pt2) or an ONNX file (.onnx) of a model taking the canonical request.
+
+    ``pooling``: ids per (item, table) to trace or run the model with; None means
+    1 for a .pt2 archive and "the first the model runs with" for ONNX.
+    """
     from pathlib import Path
 
     from .frontend import load_export_archive
-    if Path(path).suffix != ".pt2":
-        raise ValueError(f"{path}: expected a torch.export archive (.pt2); ONNX models are not supported yet")
-    module, example, tables = load_export_archive(path, pooling=pooling)
+    suffix = Path(path).suffix
+    if suffix not in (".pt2", ".onnx"):
+        raise ValueError(f"{path}: expected a torch.export archive (.pt2) or an ONNX model (.onnx), not {suffix!r}")
     card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
     host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
-    return partition_model(name or Path(path).stem, module, example, cards=[card] * cards, host=host,
-                           tables=tables, batch_rows=batch_rows)
+    if suffix == ".onnx":
+        from .onnx_frontend import partition_onnx
+        return partition_onnx(path, cards=[card] * cards, host=host, name=name, pooling=pooling,
+                              strategy=strategy, batch_rows=batch_rows)
+    module, example, tables = load_export_archive(path, pooling=pooling or 1)
+    partitioned = partition_model(name or Path(path).stem, module, example, cards=[card] * cards, host=host,
+                                  tables=tables, batch_rows=batch_rows, strategy=strategy)
+    _probe_rows(partitioned, pooling or 1)
+    return partitioned
+
+
+def _probe_rows(partitioned: PartitionedModel, pooling: int) -> None:
+    """Per-table row counts for the server's range checks, read off the host graph (table_probe)."""
+    from .table_probe import probe_table_rows
+    plan, split = partitioned.plan, partitioned.split
+    shapes = {t.name: t.shape for t in plan.inputs}
+    rows = probe_table_rows(split.host, list(split.host_inputs), tables=shapes[LENGTHS][1],
+                            dense_dim=shapes[DENSE][1], pooling=pooling)
+    if rows is None:
+        log.warning("%s: could not tell which lookup serves which table; ids are not range-checked per table "
+                    "by the server (the model must handle any id)", plan.model)
+    else:
+        plan.tables["rows"] = rows

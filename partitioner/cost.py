@@ -29,6 +29,8 @@ class PartitionCost:
     """Bytes read or written per item beyond the weights (lookups, activations)."""
     weight_bytes_per_batch: int
     """Weight bytes a batch reads in full: all of a dense partition's, none of a table's."""
+    dtype: str = "fp32"
+    """Compute dtype: picks the device's peak FLOP/s (``DeviceSpec.peak_flops[dtype]``)."""
 
 
 def module_param_bytes(module: torch.nn.Module) -> int:
@@ -74,12 +76,13 @@ def lookup_bytes_per_id(gm: fx.GraphModule) -> float:
 
 
 def stage_seconds(device: DeviceSpec, cost: PartitionCost, rows: int, in_bytes: float,
-                  out_bytes: float, dtype: str = "fp32") -> float:
+                  out_bytes: float, dtype: str | None = None) -> float:
     """Modelled time of one batch on ``device``: transfers in and out plus roofline compute.
 
     Dense weights are read once per batch, table rows only as looked up
     (``bytes_per_item``); per-item traffic scales with rows. This is
     the same formula the simulated card uses, so plan and simulation agree.
     """
-    compute = device.compute_seconds(cost.flops_per_item * rows, cost.weight_bytes_per_batch + cost.bytes_per_item * rows, dtype)
+    compute = device.compute_seconds(cost.flops_per_item * rows, cost.weight_bytes_per_batch + cost.bytes_per_item * rows,
+                                     dtype or cost.dtype)
     return device.transfer_seconds(in_bytes) + compute + device.transfer_seconds(out_bytes)

@@ -44,7 +44,7 @@ def _input_shapes(program: torch.export.ExportedProgram) -> dict[str, tuple[int,
 def load_export_archive(path: str, *, pooling: int = 1):
     """A ``torch.export.save`` archive of a model taking the canonical request.
 
-    Returns (module, example, tables). The example request is read off the
+    Returns (program, example, tables). The example request is read off the
     program's own input shapes: D dense features, T tables, ``pooling`` ids per
     (item, table) and id 0 everywhere (valid in any table), enough to trace,
     count FLOPs and export the dense part.
@@ -66,4 +66,4 @@ def load_export_archive(path: str, *, pooling: int = 1):
                 LENGTHS: torch.full((rows, tables), pooling, dtype=torch.int32),
                 INDICES: torch.zeros(rows * tables * pooling, dtype=torch.int64)}
 
-    return program.module(), example, {"pooling": [pooling] * tables}
+    return program, example, {"pooling": [pooling] * tables}

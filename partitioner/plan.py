@@ -15,7 +15,7 @@ from typing import Any
 from backends.spec import DeviceSpec
 
 __all__ = ["TensorInfo", "PartitionInfo", "DeviceInfo", "Placement", "DeviceEstimate",
-           "Estimates", "PartitionPlan", "PLAN_FORMAT_VERSION"]
+           "Estimates", "TableShard", "PartitionPlan", "PLAN_FORMAT_VERSION"]
 
 PLAN_FORMAT_VERSION = 1
 
@@ -45,6 +45,8 @@ class PartitionInfo:
     bytes_per_item: float
     artifact: str | None = None
     """File of the artifact relative to the plan, when written to disk."""
+    dtype: str = "fp32"
+    """Compute dtype of the partition ("fp32", "fp16"): what the cost model prices it at."""
 
 
 @dataclass
@@ -71,6 +73,8 @@ class DeviceEstimate:
     """Modelled time for one batch of ``Estimates.batch_rows`` rows on this device."""
     utilisation: float
     """Share of time busy at the plan's throughput bound."""
+    transfer_seconds: float = 0.0
+    """Part of ``batch_seconds`` spent moving inputs and outputs over the device's link."""
 
 
 @dataclass
@@ -81,6 +85,24 @@ class Estimates:
     throughput_items_per_s: float
     latency_ms: float
     """Unloaded latency of one batch: host stage + transfers + card stage."""
+
+
+@dataclass
+class TableShard:
+    """A block of one embedding table (rows x columns) on one device (partitioner.sharding)."""
+
+    table: int
+    device: str
+    """"host" or a card id."""
+    kind: str
+    """"table" (whole table), "row" (a row range) or "column" (a column range)."""
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+    bytes: int
+    est_seconds: float
+    """Modelled lookup time per batch (gather + link bytes; the per-transfer latency is per device)."""
 
 
 @dataclass
@@ -95,6 +117,8 @@ class PartitionPlan:
     estimates: Estimates
     tables: dict[str, Any] = field(default_factory=dict)
     """Per-table facts the server needs: {"rows": [...], "dim": D, "pooling": [...]}."""
+    shards: list[TableShard] = field(default_factory=list)
+    """Where table blocks live when tables go on cards; empty: every table on the host."""
     format_version: int = PLAN_FORMAT_VERSION
 
     def partition(self, name: str) -> PartitionInfo:
@@ -111,6 +135,11 @@ class PartitionPlan:
 
     def devices_of(self, partition: str) -> list[str]:
         return [p.device for p in self.placements if p.partition == partition]
+
+    def dense_stages(self) -> list[str]:
+        """Dense partitions in pipeline order: ["dense"] when replicated, ["dense.0", "dense.1", ...] when pipelined."""
+        dense = [p.name for p in self.partitions if p.kind == "dense"]
+        return sorted(dense, key=lambda n: int(n.rsplit(".", 1)[1]) if "." in n else -1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,6 +165,7 @@ class PartitionPlan:
             devices=[DeviceInfo(id=d["id"], spec=DeviceSpec.from_dict(d["spec"])) for d in data["devices"]],
             placements=[Placement(**p) for p in data["placements"]],
             estimates=Estimates(**{**est, "per_device": [DeviceEstimate(**d) for d in est["per_device"]]}),
+            shards=[TableShard(**s) for s in data.get("shards", [])],
             tables=data.get("tables", {}), format_version=version,
         )
 

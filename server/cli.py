@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -47,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
                    help="embedding tables row-wise precision on the host (default fp32)")
+    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16"],
+                   help="precision of the dense partition on the cards (built-in models; default fp32)")
+    p.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"],
+                   help="place embedding tables on the cards as table-, row- or column-wise shards "
+                        "(built-in models; default: all tables on the host)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
@@ -94,7 +98,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
                 backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
                 table_precision=args.table_precision, backend_options=backend_options,
-                max_card_rows=args.max_card_batch_rows)
+                max_card_rows=args.max_card_batch_rows, sparse_on_cards=args.sparse_on_cards,
+                dense_precision=args.dense_precision)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)

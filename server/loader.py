@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from backends import registry
-from backends.api import Backend, PartitionArtifact
+from backends.api import Backend, Executable, PartitionArtifact
+from backends.host_embedding import table_files
 from backends.spec import DeviceSpec
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+from partitioner.compile import HOST_PARTITION, partition_builtin
 from partitioner.plan import PartitionPlan
 
 from .batcher import BatchingConfig, DynamicBatcher
+from .dense_loader import load_dense
 from .metrics import ServerMetrics
 from .model import ServedModel
 from .repository import ModelRepository
@@ -35,28 +40,43 @@ class Loadable(Protocol):
     def artifact_for(self, partition: str, backend: Backend) -> PartitionArtifact: ...
 
 
+def _table_arrays(partitioned: Loadable) -> list[np.ndarray]:
+    """The host stage's fp32 tables, one array each: mapped from a repository, or views of the model's weight."""
+    artifact = partitioned.artifacts[HOST_PARTITION]
+    if artifact.format == "tables" and isinstance(artifact.payload, (str, Path)):
+        return [np.load(f, mmap_mode="r") for f in table_files(artifact.payload)]
+    if artifact.format == "tables":
+        return list(artifact.payload)
+    from partitioner.sharding import host_table_arrays
+    return host_table_arrays(partitioned)  # type: ignore[arg-type]
+
+
+def _load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executable:
+    """The sparse stage: on the host backend its artifact's format needs, or split over host + cards."""
+    plan = partitioned.plan
+    if getattr(plan, "shards", None):
+        from backends.sharded_embedding import load_sharded_stage
+        devices = {s.device for s in plan.shards if s.device != "host"}
+        specs = {d: dataclasses.replace(plan.device(d).spec, name=f"{plan.device(d).spec.name}/{d}") for d in devices}
+        return load_sharded_stage(plan, _table_arrays(partitioned), host_device, specs)
+    artifact = partitioned.artifacts[HOST_PARTITION]
+    backend = _HOST_BACKENDS.get(artifact.format)
+    if backend is None:
+        raise ValueError(f"no host backend takes {artifact.format!r} partitions")
+    return registry.get_backend(backend).load(artifact, host_device)
+
+
 def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None) -> ServedModel:
-    """Load the host stage on the torch backend and a dense replica on every placed card."""
+    """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane."""
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
-    host_artifact = partitioned.artifacts[HOST_PARTITION]
-    host_backend = _HOST_BACKENDS.get(host_artifact.format)
-    if host_backend is None:
-        raise ValueError(f"no host backend takes {host_artifact.format!r} partitions")
-    host = registry.get_backend(host_backend).load(host_artifact, host_device)
+    host = _load_host_stage(partitioned, host_device)
     card_backend = registry.get_backend(backend, **(backend_options or {}))
-    dense = partitioned.artifact_for(DENSE_PARTITION, card_backend)
-    cards, card_specs = [], []
-    for device_id in plan.devices_of(DENSE_PARTITION):
-        spec: DeviceSpec = plan.device(device_id).spec
-        # Each card is its own device (memory budget, queue), even when all share one spec.
-        card = dataclasses.replace(spec, name=f"{spec.name}/{device_id}")
-        card_specs.append(card)
-        cards.append(card_backend.load(dense, card))
-    runtime = PlanRuntime(host, cards, reload_card=lambda i: card_backend.load(dense, card_specs[i]),
-                          max_card_rows=max_card_rows)
+    # One lane per card (replicate) or per pipeline replica (stages on several cards).
+    cards, reload_lane = load_dense(plan, lambda name: partitioned.artifact_for(name, card_backend), card_backend)
+    runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics)  # type: ignore[arg-type]
@@ -76,9 +96,16 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
 def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
                  card_spec: str, metrics: ServerMetrics, batching: BatchingConfig,
                  table_precision: str = "fp32", backend_options: dict | None = None,
-                 max_card_rows: int | None = None) -> ServedModel:
+                 max_card_rows: int | None = None, sparse_on_cards: str | None = None,
+                 dense_precision: str = "fp32") -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        table_precision=table_precision)
+    if dense_precision != "fp32":
+        from partitioner.precision import apply_dense_precision
+        apply_dense_precision(partitioned, dense_precision)
+    if sparse_on_cards:
+        from partitioner.sharding import shard_tables
+        shard_tables(partitioned, sparse_on_cards)  # type: ignore[arg-type]
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
                             backend_options=backend_options, max_card_rows=max_card_rows)
 
