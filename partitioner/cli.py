@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -45,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also place embedding tables on the cards as table-, row- or column-wise shards "
                    "balanced by lookup cost (auto: the lowest bottleneck); what does not fit stays on the host")
     p.add_argument("--draw", metavar="PNG", help="also draw the graph with partitions coloured")
-    p.add_argument("--out", required=True, help="output folder (a model-repository version folder)")
+    p.add_argument("--out", help="output folder (a model-repository version folder); required unless --plan-only")
+    p.add_argument("--plan-only", action="store_true",
+                   help="plan and explain, but compile no artifacts (no ONNX export); with --out, write plan.json only")
     return p
 
 
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from backends.calibrate import main as calibrate
         return calibrate(argv[1:])
     args = _parser().parse_args(argv)
-    console = Console(stderr=False)
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 120)  # plans are wide
     err = Console(stderr=True)
     from .artifacts import write_artifacts
     from .compile import HOST_PARTITION, partition_builtin, partition_file
@@ -64,18 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.model) == bool(args.model_file):
         err.print("sixfold-partition: give either MODEL_FILE or --model NAME")
         return 2
+    if not args.out and not args.plan_only:
+        err.print("sixfold-partition: --out DIR is required (or --plan-only)")
+        return 2
+    if args.plan_only and (args.accuracy_report or args.dense_precision != "fp32"):
+        err.print("sixfold-partition: --plan-only compiles nothing, so it takes no --accuracy-report "
+                  "or --dense-precision")
+        return 2
     try:
         with console.status(f"exporting and partitioning {args.model or args.model_file}..."):
             if args.model:
                 _, partitioned = partition_builtin(
                     args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
                     card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows,
-                    table_precision=args.table_precision, strategy=args.strategy)
+                    table_precision=args.table_precision, strategy=args.strategy, compile=not args.plan_only)
             else:
                 partitioned = partition_file(
                     args.model_file, name=args.name, cards=args.cards, card_spec=args.card_spec,
                     host_spec=args.host_spec, pooling=args.pooling, batch_rows=args.batch_rows,
-                    strategy=args.strategy)
+                    strategy=args.strategy, compile=not args.plan_only)
             reference = None
             if args.accuracy_report:
                 from .accuracy import reference_artifacts
@@ -85,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.sparse_on_cards:
                 from .sharding import shard_tables
                 shard_tables(partitioned, args.sparse_on_cards)
-            path = write_artifacts(partitioned, args.out)
+            if args.plan_only:
+                path = None
+                if args.out:
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    path = Path(args.out) / "plan.json"
+                    partitioned.plan.save(path)
+            else:
+                path = write_artifacts(partitioned, args.out)
         if reference is not None:
             from .accuracy import accuracy_report, print_accuracy
             with console.status(f"scoring {args.accuracy_items} items for the accuracy report..."):
@@ -103,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         drawn = draw_partitioned(partitioned, args.draw,
                                  title=f"{partitioned.plan.model}: host (sparse) vs cards (dense)")
         console.print(f"drew {drawn}")
+    if args.plan_only:
+        console.print(f"wrote {path} (plan only)" if path else "plan only: nothing written")
+        return 0
     onnx = ", ".join(f"{d}.onnx" for d in partitioned.plan.dense_stages())
     console.print(f"wrote {path.parent}/ (plan.json, {onnx}, {partitioned.plan.partition(HOST_PARTITION).artifact})")
     return 0

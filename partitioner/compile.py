@@ -134,8 +134,12 @@ def _estimate(plan_devices: list[DeviceInfo], placements, costs: dict[str, Parti
 
 def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedProgram, example: ExampleFn, *,
                     cards: list[DeviceSpec], host: DeviceSpec, tables: dict | None = None,
-                    strategy: str = "auto", batch_rows: int = 256) -> PartitionedModel:
+                    strategy: str = "auto", batch_rows: int = 256, compile: bool = True) -> PartitionedModel:
     """Cut ``model`` into a host (sparse) and a dense partition and place them.
+
+    ``compile=False`` plans only: the plan is complete (cut, costs, placement,
+    estimates) but no ONNX is exported, so the dense artifacts' payloads are
+    None. Export is most of the time of a partition (bench/plan_scale.py).
 
     ``example(rows)`` returns a real canonical request of ``rows`` items; it is
     used for export, for measuring FLOPs per item and for the ONNX export.
@@ -172,7 +176,7 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     requested, strategy = strategy, choose(strategy, dense_cost, card_infos)
     if strategy == "pipeline":
         try:
-            staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows)
+            staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows, compile)
         except PlanError as exc:
             raise (auto_refusal(dense_cost, card_infos, exc) if requested == "auto" else exc) from None
         placements = staged.placements
@@ -183,7 +187,8 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
         costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
         io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
-    onnx_bytes = _export_onnx(split.dense, large_args, split.dense_inputs, [SCORES]) if staged is None else b""
+    onnx_bytes = (_export_onnx(split.dense, large_args, split.dense_inputs, [SCORES])
+                  if staged is None and compile else None)
     estimates = _estimate([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
 
     with torch.inference_mode():
@@ -243,7 +248,8 @@ class _Staged:
 
 
 def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], large_args: tuple[torch.Tensor, ...],
-                     host_info: DeviceInfo, card_infos: list[DeviceInfo], batch_rows: int) -> _Staged:
+                     host_info: DeviceInfo, card_infos: list[DeviceInfo], batch_rows: int,
+                     compile: bool = True) -> _Staged:
     """Pick cut points (strategy.pipeline), cut the dense graph there (pipeline.split_stages), export each stage."""
     graph_costs = node_costs(split.dense, small_args, 4, large_args, 64)
     choice = pipeline(HOST_PARTITION, DENSE_PARTITION, graph_costs, host_info, card_infos, batch_rows=batch_rows)
@@ -264,7 +270,7 @@ def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], la
             inputs=[_tensor_info(n, t) for n, t in inputs.items()],
             outputs=[_tensor_info(n, t) for n, t in outputs.items()], nodes=stage.nodes,
             param_bytes=weights, flops_per_item=cost.flops_per_item, bytes_per_item=cost.bytes_per_item))
-        onnx = _export_onnx(stage.module, tuple(inputs.values()), stage.inputs, stage.outputs)
+        onnx = _export_onnx(stage.module, tuple(inputs.values()), stage.inputs, stage.outputs) if compile else None
         made = [PartitionArtifact(
             name=name, format=fmt, payload=payload, input_names=tuple(stage.inputs),
             output_names=tuple(stage.outputs), param_bytes=weights, flops_per_item=cost.flops_per_item,
@@ -315,9 +321,10 @@ def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, preci
 def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, cards: int = 6,
                       card_spec: str | DeviceSpec = "m2-card", host_spec: str | DeviceSpec = "host-cpu",
                       batch_rows: int = 256, table_precision: str = "fp32",
-                      strategy: str = "auto") -> tuple[models.DLRM, PartitionedModel]:
+                      strategy: str = "auto", compile: bool = True) -> tuple[models.DLRM, PartitionedModel]:
     """Build a zoo model and partition it onto ``cards`` identical cards plus the host.
 
+    ``compile=False``: plan only, no ONNX export (see ``partition_model``).
     ``table_precision`` other than fp32 serves the tables row-wise quantized (fp16/int8/int4).
     """
     card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
@@ -327,7 +334,8 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
     tables = {"rows": list(config.table_rows), "dim": config.embedding_dim,
               "pooling": list(config.pooling), "zipf": config.zipf}
     partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
-                                  host=host, tables=tables, batch_rows=batch_rows, strategy=strategy)
+                                  host=host, tables=tables, batch_rows=batch_rows, strategy=strategy,
+                                  compile=compile)
     if table_precision != "fp32":
         quantize_tables(partitioned, model, table_precision)
     return model, partitioned
@@ -335,7 +343,7 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
 
 def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_spec: str | DeviceSpec = "m2-card",
                    host_spec: str | DeviceSpec = "host-cpu", pooling: int | None = None,
-                   batch_rows: int = 256, strategy: str = "auto") -> PartitionedModel:
+                   batch_rows: int = 256, strategy: str = "auto", compile: bool = True) -> PartitionedModel:
     """Partition a ``torch.export`` archive (.pt2) or an ONNX file (.onnx) of a model taking the canonical request.
 
     ``pooling``: ids per (item, table) to trace or run the model with; None means
@@ -355,7 +363,7 @@ def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_s
                               strategy=strategy, batch_rows=batch_rows)
     module, example, tables = load_export_archive(path, pooling=pooling or 1)
     partitioned = partition_model(name or Path(path).stem, module, example, cards=[card] * cards, host=host,
-                                  tables=tables, batch_rows=batch_rows, strategy=strategy)
+                                  tables=tables, batch_rows=batch_rows, strategy=strategy, compile=compile)
     _probe_rows(partitioned, pooling or 1)
     return partitioned
 

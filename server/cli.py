@@ -145,7 +145,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    console = Console(stderr=False, highlight=False)
+    console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
     if args.list_backends:
         from backends.registry import describe
         print(describe())
