@@ -3,9 +3,26 @@
 Every canonical input concatenates on dim 0 (DESIGN.md, tensor convention), so
 merging needs no model knowledge. Hygiene after MLServer's adaptive batcher and
 Ray Serve's batching: one future per request, asyncio objects created on the
-running loop, the remaining wait recomputed after each arrival, a failed batch
-fails every waiting future, results set only on futures not yet done, and the
-batch size a model returns is checked, never assumed.
+running loop, the wait recomputed after each arrival, a failed batch fails every
+waiting future, results set only on futures not yet done, and the batch size a
+model returns is checked, never assumed.
+
+Scheduling follows Triton's dynamic batcher, in rows instead of requests:
+
+* Priority levels (``priority_levels``; 1 is the highest). Each level has its own
+  FIFO queue and queue policy (size bound, default timeout, timeout action). A
+  batch is filled in priority order: level 1 first, then level 2, and so on,
+  and stops at the first request that does not fit (no reordering past it).
+* A batch leaves when it is full (``max_batch_rows``, or the next request does
+  not fit), when it reaches a preferred size (``preferred_batch_rows``: it is cut
+  just after the largest preferred size it crosses), or when its oldest request
+  has waited ``max_queue_delay_microseconds``. It is formed only when a batch
+  slot is free (``max_inflight``), so late arrivals of higher priority still
+  get in.
+* A queued request whose timeout passes is failed at once with DEADLINE_EXCEEDED
+  (``timeout_action`` REJECT) or kept and moved behind every request of its
+  level that has not timed out (DELAY). Requests whose client went away are
+  dropped before compute.
 """
 
 from __future__ import annotations
@@ -13,34 +30,88 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
 
 import numpy as np
 
-from .errors import DeadlineExceeded, InternalError, Overloaded, ServingError, Unavailable
+from .errors import DeadlineExceeded, InternalError, InvalidInput, Overloaded, ServingError, Unavailable
 
-__all__ = ["BatchingConfig", "DynamicBatcher", "BatchInfo"]
+__all__ = ["BatchingConfig", "QueuePolicy", "DynamicBatcher", "BatchInfo", "TIMEOUT_ACTIONS"]
 
 log = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
+TimeoutAction = Literal["REJECT", "DELAY"]
+TIMEOUT_ACTIONS: tuple[str, ...] = ("REJECT", "DELAY")
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """One priority level's queue policy (Triton's ModelQueuePolicy)."""
+
+    max_queue_size: int = 256
+    """Requests waiting at this level at most; one more is refused at once with RESOURCE_EXHAUSTED (0: unbounded)."""
+    default_timeout_microseconds: int = 0
+    """A request still queued after this long times out (0: no default timeout)."""
+    timeout_action: TimeoutAction = "REJECT"
+    """REJECT: a timed-out request fails with DEADLINE_EXCEEDED before compute.
+    DELAY: it stays queued, behind every request of its level that has not timed out."""
+    allow_timeout_override: bool = True
+    """Whether a client's timeout (gRPC deadline or ``timeout`` parameter) applies; it can
+    only shorten the default timeout, never lengthen it."""
+
+    def __post_init__(self) -> None:
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        if self.default_timeout_microseconds < 0:
+            raise ValueError(f"default_timeout_microseconds must be >= 0, got {self.default_timeout_microseconds}")
+        if self.timeout_action not in TIMEOUT_ACTIONS:
+            raise ValueError(f"timeout_action must be one of {', '.join(TIMEOUT_ACTIONS)}, "
+                             f"got {self.timeout_action!r}")
+
+    def timeout_s(self, client_timeout_s: float | None) -> float | None:
+        """The timeout a request gets at this level: the default, shortened by the client's if allowed."""
+        default = self.default_timeout_microseconds / 1e6 if self.default_timeout_microseconds else None
+        if client_timeout_s is None or not self.allow_timeout_override:
+            return default
+        return client_timeout_s if default is None else min(default, client_timeout_s)
 
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    """Dynamic batching knobs (Triton's names where they mean the same)."""
+    """Dynamic batching knobs (Triton's names where they mean the same; sizes are rows).
+
+    The top-level ``max_queue_size``, ``default_timeout_microseconds``,
+    ``timeout_action`` and ``allow_timeout_override`` are the default queue
+    policy; ``priority_queue_policy`` overrides it for single levels.
+    """
 
     max_batch_rows: int = 1024
     """A batch holds at most this many items; a larger query runs alone."""
     max_queue_delay_microseconds: int = 2000
-    """How long the first request of a batch may wait for others to join."""
+    """How long the oldest request of a batch may wait for others to join."""
     max_inflight_batches: int = 0
     """Batches between host and cards at once (0: number of cards + 1, so stages overlap)."""
     max_queue_size: int = 256
-    """Requests waiting at most; one more is refused at once with RESOURCE_EXHAUSTED (0: unbounded)."""
+    """Requests waiting per level at most; one more is refused at once with RESOURCE_EXHAUSTED (0: unbounded)."""
     default_timeout_microseconds: int = 0
-    """A request still queued after this long is dropped before compute (0: no default timeout)."""
+    """A request still queued after this long times out (0: no default timeout)."""
+    timeout_action: TimeoutAction = "REJECT"
+    """What a timeout does (see QueuePolicy.timeout_action)."""
+    allow_timeout_override: bool = True
+    """Whether client timeouts apply (they can only shorten the default timeout)."""
+    preferred_batch_rows: tuple[int, ...] = ()
+    """Batch sizes (rows) worth sending at once: a batch that reaches one leaves without waiting out the delay."""
+    priority_levels: int = 0
+    """Priority levels, 1 the highest (0: priorities off, one queue)."""
+    default_priority_level: int = 0
+    """The level of a request that gives no priority (or priority 0); 1..priority_levels when levels are on."""
+    priority_queue_policy: Mapping[int, QueuePolicy] = field(default_factory=dict)
+    """Queue policy per level, overriding the default policy above."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -49,10 +120,62 @@ class BatchingConfig:
             raise ValueError(f"max_queue_delay_microseconds must be >= 0, got {self.max_queue_delay_microseconds}")
         if self.max_inflight_batches < 0:
             raise ValueError(f"max_inflight_batches must be >= 0, got {self.max_inflight_batches}")
-        if self.max_queue_size < 0:
-            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
-        if self.default_timeout_microseconds < 0:
-            raise ValueError(f"default_timeout_microseconds must be >= 0, got {self.default_timeout_microseconds}")
+        _ = self.default_policy  # building it checks the default policy's fields
+        preferred = tuple(sorted(set(int(p) for p in self.preferred_batch_rows)))
+        bad = [p for p in preferred if not 1 <= p <= self.max_batch_rows]
+        if bad:
+            raise ValueError(f"preferred_batch_rows {bad} out of range: each must be in 1..max_batch_rows "
+                             f"({self.max_batch_rows})")
+        object.__setattr__(self, "preferred_batch_rows", preferred)
+        if self.priority_levels < 0:
+            raise ValueError(f"priority_levels must be >= 0, got {self.priority_levels}")
+        if self.priority_levels == 0:
+            if self.default_priority_level != 0:
+                raise ValueError(f"default_priority_level is {self.default_priority_level} but priority_levels "
+                                 "is 0 (priorities off); set priority_levels too")
+        elif not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError(f"default_priority_level must be in 1..priority_levels ({self.priority_levels}), "
+                             f"got {self.default_priority_level}")
+        policies = dict(self.priority_queue_policy)
+        for level, policy in policies.items():
+            if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= self.priority_levels:
+                raise ValueError(f"priority_queue_policy has level {level}, outside 1..priority_levels "
+                                 f"({self.priority_levels})")
+            if not isinstance(policy, QueuePolicy):
+                raise ValueError(f"priority_queue_policy[{level}] must be a QueuePolicy, got {type(policy).__name__}")
+        object.__setattr__(self, "priority_queue_policy", MappingProxyType(policies))
+
+    @property
+    def default_policy(self) -> QueuePolicy:
+        return QueuePolicy(self.max_queue_size, self.default_timeout_microseconds, self.timeout_action,
+                           self.allow_timeout_override)
+
+    @property
+    def levels(self) -> range:
+        """The priority levels, highest first (one level when priorities are off)."""
+        return range(1, max(self.priority_levels, 1) + 1)
+
+    def policy(self, level: int) -> QueuePolicy:
+        return self.priority_queue_policy.get(level) or self.default_policy
+
+    def level_of(self, priority: int) -> int:
+        """The queue a request with ``priority`` joins (0: the default level).
+
+        With priorities off every request joins the one queue (Triton ignores
+        the priority then too); with them on, a priority above
+        ``priority_levels`` is refused rather than silently demoted.
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+            raise InvalidInput(f"parameter 'priority' must be a non-negative integer, got {priority!r}")
+        if self.priority_levels == 0:
+            return 1
+        if priority == 0:
+            return self.default_priority_level
+        if priority > self.priority_levels:
+            raise InvalidInput(f"parameter 'priority' is {priority} but the model has priority_levels "
+                               f"{self.priority_levels} (1 = highest; 0 = default level "
+                               f"{self.default_priority_level})")
+        return priority
 
 
 @dataclass
@@ -65,21 +188,61 @@ class BatchInfo:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     inputs: Arrays
     rows: int
     future: asyncio.Future
     enqueued: float
     info: BatchInfo
-    deadline: float | None = None
+    level: int
+    timer: asyncio.TimerHandle | None = None
+    taken: bool = False
+    delayed: bool = False
+
+
+class _Level:
+    """One priority level's queue: requests in arrival order, and those whose DELAY timeout passed.
+
+    Requests leave lazily: a taken, failed or cancelled request stays in its
+    deque as a tombstone until it reaches the head (or the deque is compacted).
+    """
+
+    def __init__(self, policy: QueuePolicy) -> None:
+        self.policy = policy
+        self.waiting: deque[_Pending] = deque()
+        self.delayed: deque[_Pending] = deque()
+        self.live = 0
+
+    @staticmethod
+    def _gone(p: _Pending) -> bool:
+        return p.taken or p.future.done()
+
+    def _tidy(self, queue: deque[_Pending], moved: bool) -> None:
+        while queue and (self._gone(queue[0]) or (moved and queue[0].delayed)):
+            queue.popleft()
+        if len(queue) > 2 * self.live + 64:  # NOTE: bounds memory under churn; amortized O(1)
+            kept = [p for p in queue if not (self._gone(p) or (moved and p.delayed))]
+            queue.clear()
+            queue.extend(kept)
+
+    def in_order(self) -> Iterator[_Pending]:
+        """Live requests in service order: those not timed out, then the DELAYed ones."""
+        self._tidy(self.waiting, moved=True)
+        self._tidy(self.delayed, moved=False)
+        for p in self.waiting:
+            if not (self._gone(p) or p.delayed):
+                yield p
+        for p in self.delayed:
+            if not self._gone(p):
+                yield p
 
 
 RunBatch = Callable[[Arrays, BatchInfo], Awaitable[Arrays]]
 
 
 class DynamicBatcher:
-    """Queue + batching loop for one model; ``submit`` returns that request's outputs."""
+    """Priority queues + batching loop for one model; ``submit`` returns that request's outputs."""
 
     def __init__(self, run_batch: RunBatch, config: BatchingConfig, *, max_inflight: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -87,78 +250,136 @@ class DynamicBatcher:
         self.config = config
         self._max_inflight = max_inflight
         self._clock = clock
-        self._queue: asyncio.Queue[_Pending] | None = None
+        self._levels = {level: _Level(config.policy(level)) for level in config.levels}
         self._loop_task: asyncio.Task | None = None
         self._inflight: asyncio.Semaphore | None = None
+        self._waiter: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
-        self._carry: _Pending | None = None
 
     def _ensure_started(self) -> None:
         if self._loop_task is None:
-            self._queue = asyncio.Queue()
             self._inflight = asyncio.Semaphore(self._max_inflight)
             self._loop_task = asyncio.get_running_loop().create_task(self._batching_loop())
 
     @property
     def queued(self) -> int:
-        return (self._queue.qsize() if self._queue else 0) + (1 if self._carry else 0)
+        """Requests waiting, all levels."""
+        return sum(level.live for level in self._levels.values())
 
-    async def submit(self, inputs: Arrays, rows: int, timeout_s: float | None = None) -> tuple[Arrays, BatchInfo]:
-        """Queue one request; ``timeout_s`` (or the default timeout) drops it if still queued then."""
+    def queued_by_level(self) -> dict[int, int]:
+        return {n: level.live for n, level in self._levels.items()}
+
+    async def submit(self, inputs: Arrays, rows: int, timeout_s: float | None = None,
+                     priority: int = 0) -> tuple[Arrays, BatchInfo]:
+        """Queue one request at ``priority`` (0: the default level); ``timeout_s`` is the client's.
+
+        Raises Overloaded at once when the level's queue is full, InvalidInput
+        for a priority the model does not have, DeadlineExceeded when a REJECT
+        timeout passes while queued.
+        """
         if self._closing:
             raise Unavailable("server is shutting down; not accepting new requests")
+        level_no = self.config.level_of(priority)
+        level = self._levels[level_no]
+        limit = level.policy.max_queue_size
+        if limit and level.live >= limit:
+            where = f" at priority level {level_no}" if self.config.priority_levels else ""
+            raise Overloaded(f"queue full{where}: {level.live} requests waiting (max_queue_size {limit}); "
+                             "retry later")
         self._ensure_started()
-        assert self._queue is not None
-        limit = self.config.max_queue_size
-        if limit and self.queued >= limit:
-            raise Overloaded(f"queue full: {self.queued} requests waiting (max_queue_size {limit}); retry later")
-        if timeout_s is None and self.config.default_timeout_microseconds:
-            timeout_s = self.config.default_timeout_microseconds / 1e6
-        now = self._clock()
-        future = asyncio.get_running_loop().create_future()
-        info = BatchInfo()
-        deadline = None if timeout_s is None else now + timeout_s
-        self._queue.put_nowait(_Pending(inputs, rows, future, now, info, deadline))
-        return await future, info
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        item = _Pending(inputs, rows, future, self._clock(), BatchInfo(), level_no)
+        timeout = level.policy.timeout_s(timeout_s)
+        if timeout is not None:
+            item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
+        level.waiting.append(item)
+        level.live += 1
+        future.add_done_callback(lambda _: self._left_queue(item))
+        self._wake()
+        return await future, item.info
 
-    def _expired(self, item: _Pending) -> bool:
-        """Fail a request whose deadline passed while it waited: it never reaches a card."""
-        if item.deadline is None or self._clock() < item.deadline:
-            return False
-        if not item.future.done():
-            waited = (self._clock() - item.enqueued) * 1e3
-            item.future.set_exception(DeadlineExceeded(
-                f"request timed out after {waited:.1f} ms in the queue, before compute"))
-        return True
+    def _left_queue(self, item: _Pending) -> None:
+        """A queued request failed or its client went away: it no longer holds a queue slot."""
+        if not item.taken:
+            item.taken = True  # a tombstone from now on
+            self._levels[item.level].live -= 1
+            if item.timer is not None:
+                item.timer.cancel()
 
-    async def _first_live(self) -> _Pending:
-        assert self._queue is not None
-        while True:
-            first = self._carry or await self._queue.get()
-            self._carry = None
-            if not self._expired(first):
-                return first
+    def _timed_out(self, item: _Pending) -> None:
+        if item.taken or item.future.done():
+            return
+        level = self._levels[item.level]
+        if level.policy.timeout_action == "DELAY":
+            item.delayed = True
+            level.delayed.append(item)
+            self._wake()
+            return
+        waited = (self._clock() - item.enqueued) * 1e3
+        item.future.set_exception(DeadlineExceeded(
+            f"request timed out after {waited:.1f} ms in the queue, before compute"))
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _candidates(self) -> tuple[list[_Pending], bool]:
+        """The batch that would leave now, in priority order; and whether it is full."""
+        chosen: list[_Pending] = []
+        rows, limit = 0, self.config.max_batch_rows
+        for level in self._levels.values():
+            for item in level.in_order():
+                if chosen and rows + item.rows > limit:
+                    return chosen, True  # the next request starts the next batch; never reorder past it
+                chosen.append(item)
+                rows += item.rows
+                if rows >= limit:
+                    return chosen, True
+        return chosen, False
+
+    def _preferred_cut(self, chosen: list[_Pending]) -> int:
+        """How many of ``chosen`` to send now for a preferred size (0: none reached)."""
+        cut, rows, preferred = 0, 0, self.config.preferred_batch_rows
+        k = 0  # the next preferred size not yet crossed
+        for i, item in enumerate(chosen):
+            rows += item.rows
+            while k < len(preferred) and rows >= preferred[k]:
+                cut, k = i + 1, k + 1
+        return cut
+
+    def _take(self, batch: list[_Pending]) -> list[_Pending]:
+        for item in batch:
+            item.taken = True
+            self._levels[item.level].live -= 1
+            if item.timer is not None:
+                item.timer.cancel()
+        return batch
 
     async def _next_batch(self) -> list[_Pending]:
-        assert self._queue is not None
-        first = await self._first_live()
-        batch, rows = [first], first.rows
-        deadline = first.enqueued + self.config.max_queue_delay_microseconds / 1e6
-        while rows < self.config.max_batch_rows:
-            remaining = deadline - self._clock()
+        loop = asyncio.get_running_loop()
+        delay = self.config.max_queue_delay_microseconds / 1e6
+        while True:
+            chosen, full = self._candidates()
+            timeout: float | None = None
+            if chosen:
+                if full:
+                    return self._take(chosen)
+                cut = self._preferred_cut(chosen)
+                if cut:
+                    return self._take(chosen[:cut])
+                timeout = min(p.enqueued for p in chosen) + delay - self._clock()
+                if timeout <= 0:
+                    return self._take(chosen)
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, self._wake) if timeout is not None else None
             try:
-                item = self._queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(self._queue.get(), remaining)
-            except (asyncio.QueueEmpty, asyncio.TimeoutError):
-                break
-            if self._expired(item):
-                continue
-            if rows + item.rows > self.config.max_batch_rows:
-                self._carry = item  # starts the next batch; never reorder requests
-                break
-            batch.append(item)
-            rows += item.rows
-        return batch
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
 
     async def _batching_loop(self) -> None:
         assert self._inflight is not None
@@ -208,20 +429,17 @@ class DynamicBatcher:
         self._closing = True
         if self._loop_task is None:
             return
-        assert self._queue is not None
         if drain:
-            while self._queue.qsize() or self._carry:
+            while self.queued:
                 await asyncio.sleep(0.005)
         self._loop_task.cancel()
         try:
             await self._loop_task
         except asyncio.CancelledError:
             pass
-        leftovers = [self._carry] if self._carry else []
-        while not self._queue.empty():
-            leftovers.append(self._queue.get_nowait())
-        for p in leftovers:
-            if not p.future.done():
-                p.future.set_exception(Unavailable("server shut down before this request ran"))
+        for level in self._levels.values():
+            for p in list(level.in_order()):
+                if not p.future.done():
+                    p.future.set_exception(Unavailable("server shut down before this request ran"))
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -65,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
     p.add_argument("--default-timeout-us", type=int, default=0,
                    help="drop a request still queued after this long with DEADLINE_EXCEEDED (0: only client deadlines)")
+    p.add_argument("--preferred-batch-rows", type=int, action="append", default=[], metavar="ROWS",
+                   help="dispatch a batch as soon as it reaches ROWS items (repeatable; Triton's preferred_batch_size)")
+    p.add_argument("--max-inflight-batches", type=int, default=0,
+                   help="batches running at once per model (0: cards + 1)")
+    p.add_argument("--priority-levels", type=int, default=0,
+                   help="request priority levels (1 = highest; 0: priorities off)")
+    p.add_argument("--default-priority-level", type=int, default=0,
+                   help="level of a request that gives no priority (default: the lowest, --priority-levels)")
+    p.add_argument("--host-dense-max-rows", type=int, default=-1,
+                   help="batches of at most this many items run their dense part on the host CPU "
+                        "(-1: tuned automatically from measured latencies; 0: never)")
     p.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -86,7 +97,11 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
                               max_queue_delay_microseconds=args.max_queue_delay_us,
                               max_queue_size=args.max_queue_size,
-                              default_timeout_microseconds=args.default_timeout_us)
+                              default_timeout_microseconds=args.default_timeout_us,
+                              preferred_batch_rows=tuple(args.preferred_batch_rows),
+                              max_inflight_batches=args.max_inflight_batches,
+                              priority_levels=args.priority_levels,
+                              default_priority_level=args.default_priority_level or args.priority_levels)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -99,7 +114,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
                 table_precision=args.table_precision, backend_options=backend_options,
                 max_card_rows=args.max_card_batch_rows, sparse_on_cards=args.sparse_on_cards,
-                dense_precision=args.dense_precision)
+                dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -109,7 +124,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         def load(repo: ModelRepository, name: str, version: str):
             return load_from_repository(repo, name, version, backend=args.backend, metrics=metrics,
                                         batching=batching, backend_options=backend_options,
-                                        max_card_rows=args.max_card_batch_rows)
+                                        max_card_rows=args.max_card_batch_rows,
+                                        host_dense_max_rows=args.host_dense_max_rows)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()
@@ -127,9 +143,9 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     server = SixfoldServer(core, config, metrics)
     port = await server.start()
     metrics_at = f"http://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
-    serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} cards)" for m in core.all_versions())
-    console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} "
-                  f"with {args.backend} cards; metrics {metrics_at}")
+    serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
+                        for m in core.all_versions())
+    console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port}; metrics {metrics_at}")
     console.print(f"READY grpc={args.host}:{port}", highlight=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -13,7 +13,8 @@ from tritonclient.grpc import service_pb2
 
 from .errors import InvalidInput
 
-__all__ = ["DTYPES", "decode_inputs", "requested_outputs", "request_timeout", "encode_response", "datatype_of"]
+__all__ = ["DTYPES", "decode_inputs", "requested_outputs", "request_timeout", "request_priority", "encode_response",
+           "datatype_of"]
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -100,6 +101,20 @@ def request_timeout(request: service_pb2.ModelInferRequest, context: object = No
         if value:
             limits.append(value / 1e6)
     return min(limits) if limits else None
+
+
+def request_priority(request: service_pb2.ModelInferRequest) -> int:
+    """The ``priority`` parameter (Triton's: 1 is the highest level; 0 or absent: the model's
+    default level). tritonclient sends it as ``uint64_param`` (``infer(..., priority=N)``)."""
+    if "priority" not in request.parameters:
+        return 0
+    param = request.parameters["priority"]
+    which = param.WhichOneof("parameter_choice")
+    value = getattr(param, which) if which else None
+    if which not in ("int64_param", "uint64_param") or value < 0:
+        raise InvalidInput(f"parameter 'priority' must be a non-negative integer (1 = highest level, "
+                           f"0 = default level), got {value!r}")
+    return int(value)
 
 
 def encode_response(model: str, version: str, request_id: str,

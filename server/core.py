@@ -86,11 +86,12 @@ class InferenceCore:
         return model
 
     async def infer(self, name: str, version: str, inputs: dict[str, np.ndarray],
-                    requested: list[str], timeout_s: float | None = None) -> tuple[ServedModel, dict[str, np.ndarray]]:
+                    requested: list[str], timeout_s: float | None = None,
+                    priority: int = 0) -> tuple[ServedModel, dict[str, np.ndarray]]:
         model = self.model(name, version)
         if not self.accepting:
             raise Unavailable("server is shutting down; not accepting new requests")
-        return model, await model.infer(inputs, requested, timeout_s)
+        return model, await model.infer(inputs, requested, timeout_s, priority)
 
     async def shutdown(self) -> None:
         """Stop accepting, answer what is queued and running, then release the devices."""

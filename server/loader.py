@@ -13,14 +13,15 @@ from backends import registry
 from backends.api import Backend, Executable, PartitionArtifact
 from backends.host_embedding import table_files
 from backends.spec import DeviceSpec
-from partitioner.compile import HOST_PARTITION, partition_builtin
+from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
 from partitioner.plan import PartitionPlan
 
 from .batcher import BatchingConfig, DynamicBatcher
 from .dense_loader import load_dense
 from .metrics import ServerMetrics
 from .model import ServedModel
-from .repository import ModelRepository
+from .model_config import settings_from_proto
+from .repository import CONFIG_FILE, ModelRepository
 from .runtime import PlanRuntime
 
 __all__ = ["load_partitioned", "load_builtin", "load_from_repository"]
@@ -68,7 +69,8 @@ def _load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executab
 
 def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
-                     backend_options: dict | None = None, max_card_rows: int | None = None) -> ServedModel:
+                     backend_options: dict | None = None, max_card_rows: int | None = None,
+                     host_dense_max_rows: int = -1) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane."""
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
@@ -76,7 +78,13 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     # One lane per card (replicate) or per pipeline replica (stages on several cards).
     cards, reload_lane = load_dense(plan, lambda name: partitioned.artifact_for(name, card_backend), card_backend)
-    runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows)
+    host_dense = None
+    if host_dense_max_rows != 0 and plan.dense_stages() == [DENSE_PARTITION] and not getattr(plan, "shards", None):
+        # Small batches may run their dense part on the host CPU when that is faster (DeepRecSys).
+        ort = registry.get_backend("onnxruntime")
+        host_dense = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), host_device)
+    runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows,
+                          host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics)  # type: ignore[arg-type]
@@ -97,7 +105,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  card_spec: str, metrics: ServerMetrics, batching: BatchingConfig,
                  table_precision: str = "fp32", backend_options: dict | None = None,
                  max_card_rows: int | None = None, sparse_on_cards: str | None = None,
-                 dense_precision: str = "fp32") -> ServedModel:
+                 dense_precision: str = "fp32", host_dense_max_rows: int = -1) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        table_precision=table_precision)
     if dense_precision != "fp32":
@@ -107,13 +115,28 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
         from partitioner.sharding import shard_tables
         shard_tables(partitioned, sparse_on_cards)  # type: ignore[arg-type]
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
-                            backend_options=backend_options, max_card_rows=max_card_rows)
+                            backend_options=backend_options, max_card_rows=max_card_rows,
+                            host_dense_max_rows=host_dense_max_rows)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
                          metrics: ServerMetrics, batching: BatchingConfig, backend_options: dict | None = None,
-                         max_card_rows: int | None = None) -> ServedModel:
-    """Load version ``version`` of repository model ``name`` (served under the folder's name)."""
+                         max_card_rows: int | None = None, host_dense_max_rows: int = -1) -> ServedModel:
+    """Load version ``version`` of repository model ``name`` (served under the folder's name).
+
+    The model's config.pbtxt, when it has one, overrides the server-wide settings
+    given here: its ``dynamic_batching`` replaces ``batching``, and its
+    ``sixfold.*`` parameters the backend, backend options and row limits.
+    """
+    settings = settings_from_proto(repository.config(name), source=str(repository.model_dir(name) / CONFIG_FILE))
+    extras = settings.extras
+    if settings.proto.HasField("dynamic_batching") or "max_batch_rows" in extras:
+        batching = settings.batching
     read = repository.read(name, version)
-    return load_partitioned(read, backend=backend, metrics=metrics, batching=batching, version=version, name=name,
-                            backend_options=backend_options, max_card_rows=max_card_rows)
+    served = load_partitioned(
+        read, backend=extras.get("backend", backend), metrics=metrics, batching=batching, version=version, name=name,
+        backend_options=extras.get("backend_options", backend_options),
+        max_card_rows=extras.get("max_card_batch_rows", max_card_rows),
+        host_dense_max_rows=extras.get("host_dense_max_rows", host_dense_max_rows))
+    served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
+    return served

@@ -23,6 +23,8 @@ class ServerMetrics:
         self.card_seconds = Histogram("sixfold_card_stage_duration_seconds", "Card (dense) stage time per batch, transfers included", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_rows = Histogram("sixfold_batch_rows", "Rows (items) per executed batch", ["model"], buckets=_ROW_BUCKETS, registry=r)
         self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
+        self.host_dense_max_rows = Gauge("sixfold_host_dense_max_rows", "Batches of at most this many rows run their dense part on the host CPU (0: none)", ["model"], registry=r)
+        self.host_dense_batches = Counter("sixfold_host_dense_batches", "Batches whose dense part ran on the host CPU", ["model"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
 
         # Triton's own names (cumulative microsecond counters), so Triton dashboards work unchanged.

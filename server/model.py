@@ -55,6 +55,10 @@ class ServedModel:
         m.host_seconds.labels(name).observe(info.timings.get("host_s", 0.0))
         m.card_seconds.labels(name).observe(info.timings.get("card_s", 0.0))
         card = int(info.timings.get("card", 0))
+        m.host_dense_max_rows.labels(name).set(self.runtime.host_dense_max_rows)
+        if card < 0:  # the dense part ran on the host (small batch): no card to report
+            m.host_dense_batches.labels(name).inc()
+            return outputs
         executable = self.runtime.cards[card]
         m.card_outstanding.labels(name, f"card{card}").set(self.runtime.router.loads[card].outstanding_rows)
         stats = getattr(executable, "stats", None)
@@ -63,11 +67,12 @@ class ServedModel:
         return outputs
 
     async def infer(self, inputs: dict[str, np.ndarray], requested: list[str],
-                    timeout_s: float | None = None) -> dict[str, np.ndarray]:
+                    timeout_s: float | None = None, priority: int = 0) -> dict[str, np.ndarray]:
         """Validate, queue for batching, and return the requested outputs of this request.
 
         ``timeout_s``: the client's deadline (gRPC deadline or ``timeout`` parameter); a request
         still queued when it passes is dropped before compute with DEADLINE_EXCEEDED.
+        ``priority``: the request's priority level (1 = highest; 0 = the model's default level).
         """
         t0 = time.perf_counter()
         try:
@@ -79,7 +84,7 @@ class ServedModel:
                 outputs = {t.name: np.zeros((0, *t.shape[1:]), dtype=np.float32) for t in self.plan.outputs}
                 info = BatchInfo()
             else:
-                outputs, info = await self.batcher.submit(inputs, rows, timeout_s)
+                outputs, info = await self.batcher.submit(inputs, rows, timeout_s, priority)
         except Exception as exc:
             self.stats.record_failure(time.perf_counter() - t0)
             self.metrics.record_failure(self.name, self.version, getattr(exc, "reason", "internal"))

@@ -3,6 +3,11 @@
 A card that fails or hangs is taken out of rotation, its batch is retried once on
 another healthy card (else the batch fails with UNAVAILABLE), and the card is
 restarted in the background (closed and loaded again) before it rejoins.
+
+Small batches may run their dense part on the host CPU instead (DeepRecSys:
+for a few items a card's transfers and queue cost more than the host's
+compute). ``HostDenseTuner`` decides per batch, from a fixed row threshold or
+one it tunes from measured latencies.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,11 +26,90 @@ from .batcher import BatchInfo
 from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
-__all__ = ["PlanRuntime"]
+__all__ = ["PlanRuntime", "HostDenseTuner"]
 
 log = logging.getLogger(__name__)
 
 ReloadCard = Callable[[int], Executable]
+
+
+@dataclass
+class _Ewma:
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, sample: float, alpha: float) -> None:
+        self.value = sample if self.count == 0 else self.value + alpha * (sample - self.value)
+        self.count += 1
+
+
+class HostDenseTuner:
+    """Which batches run their dense part on the host: those of at most ``threshold`` rows.
+
+    ``max_rows`` >= 0 fixes the threshold (0: never). ``max_rows`` = -1 tunes it:
+    the dense-stage latency of each path is kept as an EWMA per rows bucket
+    (powers of two: 1, 2, 3-4, 5-8, ...), and the threshold becomes the top of
+    the largest bucket up to which the host was faster in every bucket measured
+    on both sides, capped at ``limit``. To keep measuring both sides, every
+    ``explore_every``-th batch of a bucket (every 2nd until a side has
+    ``min_samples``) takes the other path; batches over ``limit`` rows never
+    run on the host. The latencies include each path's queueing, so a busy card
+    or a busy host pushes work to the other one.
+    """
+
+    def __init__(self, max_rows: int = -1, *, limit: int = 256, explore_every: int = 20,
+                 alpha: float = 0.2, min_samples: int = 3) -> None:
+        if max_rows < -1:
+            raise ValueError(f"host_dense_max_rows must be -1 (auto), 0 (off) or a row count, got {max_rows}")
+        if limit < 1 or explore_every < 2 or not 0 < alpha <= 1 or min_samples < 1:
+            raise ValueError(f"bad host-dense tuner settings: limit {limit} (>= 1), explore_every "
+                             f"{explore_every} (>= 2), alpha {alpha} (in (0, 1]), min_samples {min_samples} (>= 1)")
+        self.auto = max_rows == -1
+        self.threshold = 0 if self.auto else max_rows
+        self.limit = limit
+        self.explore_every, self.alpha, self.min_samples = explore_every, alpha, min_samples
+        self._host: dict[int, _Ewma] = {}
+        self._card: dict[int, _Ewma] = {}
+        self._seen: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """Bucket b holds batches of 2**(b-1) + 1 .. 2**b rows (bucket 0: one row)."""
+        return max(0, (rows - 1).bit_length())
+
+    def on_host(self, rows: int) -> bool:
+        """Whether this batch's dense part should run on the host."""
+        host = rows <= self.threshold
+        if not self.auto or rows > self.limit:
+            return host
+        b = self.bucket(rows)
+        n = self._seen[b] = self._seen.get(b, 0) + 1
+        other = (self._card if host else self._host).get(b)
+        every = self.explore_every if other is not None and other.count >= self.min_samples else 2
+        return (not host) if n % every == 0 else host
+
+    def record(self, rows: int, seconds: float, on_host: bool) -> None:
+        """One measured dense stage; retunes the threshold in auto mode."""
+        if not self.auto or rows > self.limit:
+            return
+        side = self._host if on_host else self._card
+        side.setdefault(self.bucket(rows), _Ewma()).add(seconds, self.alpha)
+        threshold = 0
+        for b in sorted(set(self._host) & set(self._card)):
+            host, card = self._host[b], self._card[b]
+            if min(host.count, card.count) < self.min_samples:
+                continue
+            if host.value >= card.value:
+                break
+            threshold = min(1 << b, self.limit)
+        self.threshold = threshold
+
+    def snapshot(self) -> dict[str, object]:
+        """Threshold and per-bucket EWMA latencies (ms), for stats and debugging."""
+        def table(side: dict[int, _Ewma]) -> dict[int, float]:
+            return {1 << b: round(e.value * 1e3, 3) for b, e in sorted(side.items())}
+        return {"mode": "auto" if self.auto else "fixed", "max_rows": self.threshold, "limit": self.limit,
+                "host_ms": table(self._host), "card_ms": table(self._card)}
 
 
 class PlanRuntime:
@@ -32,11 +117,17 @@ class PlanRuntime:
 
     ``reload_card(i)`` loads card ``i`` afresh (used to restart a failed card);
     ``card_timeout_s`` is how long a card may take on one batch before it is
-    considered hung.
+    considered hung. ``host_dense`` is the dense partition loaded on the host
+    CPU (e.g. the dense ONNX on onnxruntime with the host spec); batches of at
+    most ``host_dense_max_rows`` rows run there (-1: tuned from measured
+    latencies up to ``host_dense_auto_limit`` rows; 0: never). If it fails, the
+    batch goes to a card.
     """
 
     def __init__(self, host: Executable, cards: Sequence[Executable], *, reload_card: ReloadCard | None = None,
                  card_timeout_s: float = 30.0, max_card_rows: int | None = None,
+                 host_dense: Executable | None = None, host_dense_max_rows: int = -1,
+                 host_dense_auto_limit: int = 256, host_dense_explore_every: int = 20,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.host = host
         self.cards = list(cards)
@@ -48,6 +139,17 @@ class PlanRuntime:
         self.max_card_rows = max_card_rows
         self._clock = clock
         self._restarts: set[asyncio.Task] = set()
+        if host_dense is None and host_dense_max_rows > 0:
+            raise ValueError(f"host_dense_max_rows={host_dense_max_rows} needs a host dense executable "
+                             "(host_dense); pass one, or -1/0")
+        self.host_dense = host_dense
+        self.host_dense_tuner = None if host_dense is None or host_dense_max_rows == 0 else HostDenseTuner(
+            host_dense_max_rows, limit=host_dense_auto_limit, explore_every=host_dense_explore_every)
+
+    @property
+    def host_dense_max_rows(self) -> int:
+        """Batches of at most this many rows run their dense part on the host now (0: none)."""
+        return self.host_dense_tuner.threshold if self.host_dense_tuner is not None else 0
 
     async def run(self, inputs: Arrays, info: BatchInfo) -> Arrays:
         rows = next(iter(inputs.values())).shape[0]
@@ -60,12 +162,35 @@ class PlanRuntime:
             raise InternalError(f"host stage failed: {exc}") from exc
         t1 = self._clock()
         card_inputs = {**inputs, **host_out}
-        if self.max_card_rows is None or rows <= self.max_card_rows:
+        tuner = self.host_dense_tuner
+        outputs = None
+        if tuner is not None and tuner.on_host(rows):
+            outputs = await self._host_dense_stage(card_inputs, rows)
+        if outputs is not None:
+            index = -1  # the host
+        elif self.max_card_rows is None or rows <= self.max_card_rows:
+            t_card = self._clock()
             index, outputs = await self._card_stage(card_inputs, rows)
+            if tuner is not None:
+                tuner.record(rows, self._clock() - t_card, on_host=False)
         else:
             index, outputs = await self._split_across_cards(card_inputs, rows)
         t2 = self._clock()
         info.timings.update(host_s=t1 - t0, card_s=t2 - t1, card=float(index))
+        if index < 0:
+            info.timings["dense_on_host"] = 1.0
+        return outputs
+
+    async def _host_dense_stage(self, card_inputs: Arrays, rows: int) -> Arrays | None:
+        """The dense part on the host CPU; None (the caller uses a card) if it fails."""
+        assert self.host_dense is not None and self.host_dense_tuner is not None
+        t0 = self._clock()
+        try:
+            outputs = await self.host_dense.infer({n: card_inputs[n] for n in self.host_dense.input_names})
+        except Exception:  # noqa: BLE001 - the cards can still answer this batch
+            log.exception("host dense stage failed on a %d-row batch; running it on a card", rows)
+            return None
+        self.host_dense_tuner.record(rows, self._clock() - t0, on_host=True)
         return outputs
 
     async def _split_across_cards(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
@@ -139,5 +264,7 @@ class PlanRuntime:
         for task in self._restarts:
             task.cancel()
         self.host.close()
+        if self.host_dense is not None:
+            self.host_dense.close()
         for card in self.cards:
             card.close()

@@ -17,17 +17,16 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
-from .codec import decode_inputs, encode_response, request_timeout, requested_outputs
+from .codec import decode_inputs, encode_response, request_priority, request_timeout, requested_outputs
 from .core import InferenceCore
 from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from .model import ServedModel
+from .model_config import to_model_config
 
 __all__ = ["InferenceServicer"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_CONFIG_TYPES = {"FP32": model_config_pb2.TYPE_FP32, "FP16": model_config_pb2.TYPE_FP16,
-                 "INT32": model_config_pb2.TYPE_INT32, "INT64": model_config_pb2.TYPE_INT64}
 
 
 def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -53,15 +52,9 @@ def _tensor_metadata(tensors: list) -> list[service_pb2.ModelMetadataResponse.Te
 
 
 def _model_config(model: ServedModel) -> model_config_pb2.ModelConfig:
-    config = model_config_pb2.ModelConfig(name=model.name, platform="sixfold", backend="sixfold",
-                                          max_batch_size=0)
-    for t in model.plan.inputs:
-        config.input.add(name=t.name, data_type=_CONFIG_TYPES[t.datatype], dims=t.shape)
-    for t in model.plan.outputs:
-        config.output.add(name=t.name, data_type=_CONFIG_TYPES[t.datatype], dims=t.shape)
-    for key, value in model.config_parameters().items():
-        config.parameters[key].string_value = value
-    return config
+    """The model's real batching and queue settings, in Triton's ModelConfig."""
+    return to_model_config(model.name, model.batcher.config, parameters=model.config_parameters(),
+                           inputs=model.plan.inputs, outputs=model.plan.outputs)
 
 
 def _duration(d: Any) -> service_pb2.StatisticDuration:
@@ -170,7 +163,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                       timeout_s: float | None) -> service_pb2.ModelInferResponse:
         """protobuf in -> core -> protobuf out: the one inference path of unary and streaming calls."""
         model, outputs = await self.core.infer(request.model_name, request.model_version, decode_inputs(request),
-                                               requested_outputs(request), timeout_s)
+                                               requested_outputs(request), timeout_s, request_priority(request))
         return encode_response(model.name, model.version, request.id, outputs)
 
     async def ModelStreamInfer(self, request_iterator, context):

@@ -24,7 +24,7 @@ ROWS = 500
 
 def _served(name: str, seed: int, card, metrics: ServerMetrics):
     _, partitioned = partition_builtin("rm1", max_rows=ROWS, seed=seed, cards=1, card_spec=card)
-    return load_partitioned(partitioned, backend="simcard", metrics=metrics, name=name,
+    return load_partitioned(partitioned, backend="simcard", metrics=metrics, name=name, host_dense_max_rows=0,
                             batching=BatchingConfig(max_batch_rows=4, max_queue_delay_microseconds=0))
 
 

@@ -1,0 +1,277 @@
+"""Overload benchmark: drive a served model at a multiple of its capacity and check it degrades well.
+
+Phases, against one server:
+  1. capacity  closed loop (64 outstanding: enough to fill every card) for a few seconds: achieved queries/s
+  2. overload  open loop (Poisson) at ``--factor`` x capacity for ``--duration`` seconds
+  3. recovery  ``--probes`` single requests one after another once the load is gone
+
+What "degrades well" means, and what the report shows: the server stays up;
+excess requests are refused with RESOURCE_EXHAUSTED at once (rejection latency
+p99); admitted requests keep a bounded p99 (queue bound x service time, not the
+length of the overload); the server's RSS stays flat; and right after the load
+drops, requests succeed at once.
+
+    .venv/bin/python bench/overload.py                 # rm2 on 6 simcards in a child process, 30 s at 3x
+    .venv/bin/python bench/overload.py --url 127.0.0.1:8001 --model rm2 --pid 12345 --duration 30
+
+By default the started server's simcards are throttled (``--slow-factor 5000``)
+so the cards are the bottleneck and the batcher's bounded queue is what sheds
+load. With unthrottled cards and large rm2 queries (``--slow-factor 1
+--max-batch-rows 1024 --query-size uniform:20-80``) a 2-core host saturates in
+the gRPC/event-loop layer first: requests (~1.5 MB each) pile up before they
+reach the batcher, so refusals come late and RSS grows; that needs admission
+control in the transport, not in the batcher.
+
+``tests/server/test_overload.py`` runs the same phases for 8 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from loadgen import LoadConfig, MonotonicClock, Target, drive, plan_run, summarize  # noqa: E402
+from loadgen.record import ERROR, OK  # noqa: E402
+
+__all__ = ["OverloadResult", "ServerProcess", "rss_mb", "run_overload"]
+
+REJECTED = "resource_exhausted"
+
+
+def rss_mb(pid: int | None = None) -> float:
+    """Resident set size of ``pid`` (default: this process) in MiB, from /proc."""
+    with open(f"/proc/{pid or 'self'}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc status")
+
+
+def _p(values: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1e3, 2) if values.size else None
+
+
+@dataclass
+class OverloadResult:
+    capacity_qps: float
+    offered_qps: float
+    duration_s: float
+    sent: int = 0
+    ok: int = 0
+    rejected: int = 0
+    other_errors: dict[str, int] = field(default_factory=dict)
+    admitted_ms: dict[str, float | None] = field(default_factory=dict)
+    """Latency of answered requests (from their scheduled time): p50, p99, max."""
+    rejected_ms: dict[str, float | None] = field(default_factory=dict)
+    """Time to a RESOURCE_EXHAUSTED answer: p50, p99, max."""
+    goodput_qps: float = 0.0
+    rss_mb: dict[str, float] = field(default_factory=dict)
+    """Server RSS before the overload, at its peak, and after recovery."""
+    recovery_ms: list[float] = field(default_factory=list)
+    recovery_errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _sample_rss(pid: int | None, peak: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss_mb(pid))
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_overload(url: str, model: str, *, factor: float = 3.0, duration_s: float = 30.0,
+                       query_size: str = "uniform:1-8", capacity_s: float = 3.0, concurrency: int = 64,
+                       probes: int = 10, pid: int | None = None, seed: int = 0,
+                       capacity_qps: float | None = None) -> OverloadResult:
+    """The three phases against ``url``; ``pid`` is the server's, for its RSS (None: this process)."""
+    clock = MonotonicClock()
+    if capacity_qps is None:
+        closed = LoadConfig(url=url, model=model, qps=0, duration_s=capacity_s, concurrency=concurrency,
+                            query_size=query_size, seed=seed, warmup_s=0.5)
+        async with Target(closed) as target:
+            schedule = plan_run(closed, target.shape, target.transport.prepare)
+            record, _, _ = await drive(closed, schedule, target.transport, clock=clock)
+        capacity_qps = summarize(record, closed, {}).achieved_qps
+    offered = factor * capacity_qps
+    config = LoadConfig(url=url, model=model, qps=offered, duration_s=duration_s, query_size=query_size,
+                        seed=seed + 1, drain_timeout_s=30.0)
+    result = OverloadResult(capacity_qps=round(float(capacity_qps), 2), offered_qps=round(float(offered), 2),
+                            duration_s=duration_s)
+    async with Target(config) as target:
+        schedule = plan_run(config, target.shape, target.transport.prepare)
+        before = rss_mb(pid)
+        peak, stop = [before], asyncio.Event()
+        sampler = asyncio.ensure_future(_sample_rss(pid, peak, stop))
+        record, _, _ = await drive(config, schedule, target.transport, clock=clock)
+        stop.set()
+        await sampler
+        # Recovery: the load is gone; single requests one after another must succeed at once.
+        first = schedule.pool.payloads[int(schedule.query[0])]
+        items = int(schedule.items[0])
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            try:
+                await target.transport.infer(first, items)
+            except Exception as exc:  # noqa: BLE001 - reported, and asserted on by the test
+                result.recovery_errors.append(str(exc))
+            result.recovery_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
+        result.rss_mb = {"before": round(before, 1), "peak": round(peak[0], 1), "after": round(rss_mb(pid), 1)}
+    n = len(record)
+    status, latency = record.status[:n], record.latency()[:n]
+    rejected = np.array([record.reasons.get(i) == REJECTED for i in range(n)], dtype=bool)
+    result.sent = int(np.count_nonzero(~np.isnan(record.sent[:n])))
+    result.ok = int(np.count_nonzero(status == OK))
+    result.rejected = int(np.count_nonzero(rejected))
+    for i in np.flatnonzero((status == ERROR) & ~rejected).tolist():
+        reason = record.reasons.get(i, "unknown")
+        result.other_errors[reason] = result.other_errors.get(reason, 0) + 1
+    answer = record.done[:n] - record.sent[:n]  # the server's own time, without the generator's lateness
+    for name, mask in (("admitted_ms", status == OK), ("rejected_ms", rejected)):
+        setattr(result, name, {"p50": _p(latency[mask], 50), "p99": _p(latency[mask], 99),
+                               "max": _p(latency[mask], 100), "p99_from_send": _p(answer[mask], 99)})
+    report = summarize(record, config, {})
+    result.goodput_qps = round(float(report.achieved_qps), 2)
+    result.warnings = list(report.warnings)
+    return result
+
+
+def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_options: dict[str, Any], conn: Any) -> None:
+    """In a child process: serve ``model`` on simcards, send the URL up ``conn``, serve until told to stop."""
+    from partitioner.compile import partition_builtin
+    from server.app import BackgroundServer, ServerConfig
+    from server.batcher import BatchingConfig
+    from server.core import InferenceCore
+    from server.loader import load_partitioned
+    from server.metrics import ServerMetrics
+
+    _, partitioned = partition_builtin(model, max_rows=2000, seed=3, cards=cards)
+    metrics = ServerMetrics()
+    # NOTE: no host-dense fallback: with throttled cards the host would take the small batches,
+    # and the cards would never become the bottleneck this harness is about.
+    served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=BatchingConfig(**batching),
+                              backend_options=backend_options, host_dense_max_rows=0)
+    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None),
+                                  metrics).start()
+    conn.send(background.url)
+    try:
+        conn.recv()  # "stop", or EOF when the parent is gone
+    except EOFError:
+        pass
+    background.stop()
+
+
+class ServerProcess:
+    """``with ServerProcess(...) as s``: a sixfold server on simcards in its own process, ``s.url``, ``s.pid``.
+
+    The load generator must not share a GIL with the server it overloads, or it
+    throttles itself and the overload never reaches the server. ``batching``
+    holds BatchingConfig fields; ``slow_factor`` throttles every simcard (the
+    ``slow_factor`` fault), which makes the cards the bottleneck.
+    """
+
+    def __init__(self, model: str = "rm2", *, cards: int = 6, batching: dict[str, Any] | None = None,
+                 slow_factor: float = 1.0, start_timeout_s: float = 180.0) -> None:
+        import multiprocessing
+
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        options = {"faults": {"slow_factor": slow_factor}} if slow_factor != 1.0 else {}
+        self.process = spawn.Process(target=_serve_child, args=(model, cards, dict(batching or {}), options, child),
+                                     daemon=True)
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def __enter__(self) -> "ServerProcess":
+        self.process.start()
+        try:
+            if not self._conn.poll(self.start_timeout_s):
+                raise EOFError
+            self.url = self._conn.recv()
+        except EOFError:
+            self.process.kill()
+            self.process.join(10)
+            raise RuntimeError(f"server process did not start in {self.start_timeout_s:g} s "
+                               f"(exit code {self.process.exitcode})") from None
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="drive this server (HOST:PORT) instead of starting one (rm2 on simcards)")
+    p.add_argument("--pid", type=int, help="the --url server's process id, for its RSS")
+    p.add_argument("--model", default="rm2")
+    p.add_argument("--cards", type=int, default=6, help="simcards of the started server (default 6)")
+    p.add_argument("--max-queue-size", type=int, default=32, help="queue bound of the started server (default 32)")
+    p.add_argument("--max-inflight-batches", type=int, default=0,
+                   help="batches past the queue at once in the started server (default 0: cards + 1)")
+    p.add_argument("--max-batch-rows", type=int, default=32, help="batch bound of the started server (default 32)")
+    p.add_argument("--slow-factor", type=float, default=5000.0,
+                   help="simcard slow_factor fault of the started server: cards are the bottleneck (default 5000; "
+                        "1: unthrottled, the host and gRPC layer are)")
+    p.add_argument("--factor", type=float, default=3.0, help="offered load as a multiple of capacity (default 3)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of overload (default 30)")
+    p.add_argument("--capacity-qps", type=float, help="skip the capacity phase and take this")
+    p.add_argument("--query-size", default="uniform:1-8", help="loadgen query size spec (default uniform:1-8)")
+    p.add_argument("--probes", type=int, default=10, help="recovery requests after the overload (default 10)")
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    def go(url: str, pid: int | None) -> OverloadResult:
+        return asyncio.run(run_overload(url, args.model, factor=args.factor, duration_s=args.duration,
+                                        query_size=args.query_size, pid=pid, capacity_qps=args.capacity_qps,
+                                        probes=args.probes))
+
+    if args.url:
+        result = go(args.url, args.pid)
+    else:
+        batching = {"max_batch_rows": args.max_batch_rows, "max_queue_size": args.max_queue_size,
+                    "max_inflight_batches": args.max_inflight_batches}
+        with ServerProcess(args.model, cards=args.cards, batching=batching, slow_factor=args.slow_factor) as server:
+            result = go(server.url, server.pid)
+            if not server.alive:
+                print("overload: the server process died", file=sys.stderr)
+                return 1
+    data = result.to_dict()
+    print(json.dumps(data, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
