@@ -8,6 +8,7 @@ files in ``backends/specs/``; a path to a JSON file works wherever a name does.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,21 @@ class DeviceSpec:
     kind: str = "card"
     """"card" (accelerator), "gpu", or "host"."""
     description: str = field(default="", compare=False)
+    # Calibrated, op-level figures (``backends.calibrate`` measures them). All optional: a spec
+    # without them is priced by the roofline above; with any of them, a partition that carries
+    # an op profile is priced op by op (``partitioner.cost.stage_seconds``).
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    """(FLOPs of one matrix product, fraction of peak reached), rising FLOPs; interpolated in log
+    space, clamped at the ends. A batched matmul of 256 products of 33x64x33 is keyed by one
+    product's FLOPs, so it is priced like the small GEMM it is. Empty: ``efficiency`` everywhere."""
+    gather_bandwidth: float = 0.0
+    """Bytes/s of table rows read by a random-row gather (embedding lookups); 0: memory_bandwidth."""
+    per_id_seconds: float = 0.0
+    """Cost of one gathered index beyond its row's bytes (index arithmetic, a cache miss's latency)."""
+    per_op_seconds: float = 0.0
+    """Fixed cost of launching one operator (dispatch, kernel launch)."""
+    per_batch_seconds: float = 0.0
+    """Fixed cost of one call into the runtime for a batch (entry, input/output binding)."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -47,6 +63,52 @@ class DeviceSpec:
             raise ValueError(f"spec {self.name}: memory_bandwidth must be > 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"spec {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
+        table = tuple((float(f), float(e)) for f, e in self.matmul_efficiency)  # JSON gives lists
+        object.__setattr__(self, "matmul_efficiency", table)
+        for flops, eff in table:
+            if not (flops > 0 and 0 < eff <= 1):
+                raise ValueError(f"spec {self.name}: matmul_efficiency entries need FLOPs > 0 and an efficiency "
+                                 f"in (0, 1], got ({flops}, {eff})")
+        if any(b[0] <= a[0] for a, b in zip(table, table[1:])):
+            raise ValueError(f"spec {self.name}: matmul_efficiency FLOPs must rise strictly, got "
+                             f"{[f for f, _ in table]}")
+        for name in ("gather_bandwidth", "per_id_seconds", "per_op_seconds", "per_batch_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"spec {self.name}: {name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether any op-level figure is set, so op profiles are priced op by op."""
+        return bool(self.matmul_efficiency) or any(
+            getattr(self, n) > 0 for n in ("gather_bandwidth", "per_id_seconds", "per_op_seconds",
+                                           "per_batch_seconds"))
+
+    def matmul_efficiency_at(self, product_flops: float) -> float:
+        """Fraction of peak for a matrix product of ``product_flops`` FLOPs (``efficiency`` without a table)."""
+        table = self.matmul_efficiency
+        if not table:
+            return self.efficiency
+        if product_flops <= table[0][0]:
+            return table[0][1]
+        if product_flops >= table[-1][0]:
+            return table[-1][1]
+        x = math.log(product_flops)
+        for (f0, e0), (f1, e1) in zip(table, table[1:]):
+            if product_flops <= f1:
+                t = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(e0) + t * (math.log(e1) - math.log(e0)))
+        return table[-1][1]  # unreachable: the last bracket ends at table[-1]
+
+    def matmul_seconds(self, flops: float, product_flops: float, dtype: str = "fp32") -> float:
+        """Time of ``flops`` spent in matrix products of ``product_flops`` FLOPs each."""
+        peak = self.peak_flops.get(dtype, self.peak_flops.get("fp32", max(self.peak_flops.values())))
+        return flops / (peak * self.matmul_efficiency_at(product_flops))
+
+    def gather_seconds(self, ids: float, row_bytes: float) -> float:
+        """Time to gather ``ids`` random rows of ``row_bytes`` each (indices and output not included)."""
+        bandwidth = self.gather_bandwidth or self.memory_bandwidth
+        return ids * (self.per_id_seconds + row_bytes / bandwidth)
 
     def flops(self, dtype: str = "fp32") -> float:
         """Achievable FLOP/s for ``dtype`` (falls back to fp32's peak)."""

@@ -1,0 +1,207 @@
+"""Does the plan's cost model predict this host? Estimated vs measured per-batch time, per stage.
+
+Steps (all in one process, one torch thread and one ONNX Runtime thread, like one card worker):
+
+1. partition each built-in model (tables capped at ``--max-rows``) onto 1 card and load the
+   partitions on the backends the server uses (``server.loader``'s choice: the torch backend for
+   the fp32 host graph, onnxruntime for the dense ONNX);
+2. each round (``--rounds``), for each model: calibrate this host (``backends.calibrate.calibrate_host``,
+   what ``sixfold-partition calibrate`` writes; again per model, as this VM's speed drifts) and use
+   that spec for the host and, with
+   ``kind="card"``, for the card: the "card" here is ONNX Runtime on this same CPU, with no link
+   to cross; plan each model again with it (``compile=False``: the estimate, not the export);
+   then time each stage on batches of the plan's ``batch_rows``, distinct requests from the
+   model's own traffic generator, median over ``--runs`` runs after a warm-up;
+3. compare with the plan's per-device ``batch_seconds`` (host -> sparse stage, card0 -> dense stage):
+   medians over rounds, and each round's ratio range.
+
+Each stage is timed on its own (all host runs, then all dense runs), as the device it models
+sees it: on this host a dense batch between two host batches evicts the host's hot table rows
+from the shared caches and slows the next host batch by ~1.5x, a contention a real card's own
+memory does not cause and the cost model does not price.
+
+    .venv/bin/python bench/estimate_vs_measured.py [--models ...] [--rounds N] [--runs N] [--quick] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from backends import registry  # noqa: E402
+from backends.calibrate import calibrate_host  # noqa: E402
+from backends.spec import DeviceSpec, load_spec  # noqa: E402
+from models import RequestGenerator  # noqa: E402
+from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin  # noqa: E402
+
+SECTION = "estimate-vs-measured"
+COMMAND = ".venv/bin/python bench/estimate_vs_measured.py"
+MODELS = ("rm1", "rm2", "rm3", "dlrm-mlperf", "dcnv2-mlperf")
+GOAL = 0.25
+_HOST_BACKENDS = {"torch-fx": "torch", "tables": "host-embedding"}  # as server.loader picks them
+
+
+@dataclass
+class Stages:
+    """One model's loaded partitions and the batches they are timed on."""
+
+    host_exe: Any
+    dense_exe: Any
+    requests: list[dict]
+    feeds: list[dict]
+    batch_rows: int
+    host_format: str
+    notes: dict[str, str]
+
+
+def load_stages(name: str, spec: DeviceSpec, max_rows: int, batch_rows: int, batches: int) -> Stages:
+    """Partition ``name`` (with the ONNX export) for ``spec`` and load both stages as the server would."""
+    model, partitioned = partition_builtin(name, max_rows=max_rows, cards=1, card_spec=spec, host_spec=spec,
+                                           batch_rows=batch_rows)
+    plan = partitioned.plan
+    host_art = partitioned.artifacts[HOST_PARTITION]
+    host_exe = registry.get_backend(_HOST_BACKENDS[host_art.format]).load(host_art, spec)
+    ort = registry.get_backend("onnxruntime", intra_op_threads=1, inter_op_threads=1)
+    dense_exe = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), spec)
+    gen = RequestGenerator.for_config(model.config, seed=7)
+    requests = [gen.make(plan.estimates.batch_rows) for _ in range(batches)]
+    feeds = [{**r, **host_exe.run(r)} for r in requests]
+    dense, host = plan.partition(DENSE_PARTITION), plan.partition(HOST_PARTITION)
+    notes = {"host (sparse)": f"{host.bytes_per_item / 1e3:.1f} kB/item",
+             "card (dense)": f"{dense.flops_per_item / 1e6:.2f} MFLOP/item, {dense.param_bytes / 2**20:.1f} MiB weights"}
+    return Stages(host_exe, dense_exe, requests, feeds, plan.estimates.batch_rows, host_art.format, notes)
+
+
+def estimate(name: str, host: DeviceSpec, card: DeviceSpec, max_rows: int, batch_rows: int) -> dict[str, float]:
+    """The plan's per-batch seconds of each stage on these specs."""
+    _, partitioned = partition_builtin(name, max_rows=max_rows, cards=1, card_spec=card, host_spec=host,
+                                       batch_rows=batch_rows, compile=False)
+    per_device = {d.device: d.batch_seconds for d in partitioned.plan.estimates.per_device}
+    return {"host (sparse)": per_device["host"], "card (dense)": per_device["card0"]}
+
+
+def time_stage(exe: Any, inputs: list[dict], runs: int) -> list[float]:
+    """Seconds per batch of each run over ``inputs``, after one warm-up pass."""
+    for x in inputs:
+        exe.run(x)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for x in inputs:
+            exe.run(x)
+        times.append((time.perf_counter() - t0) / len(inputs))
+    return times
+
+
+def format_section(results: dict, specs: list[DeviceSpec], argv: list[str], wall: float, args) -> str:
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+               f"{time.strftime('%Y-%m-%d')}")
+    lines = [
+        "## Plan estimate vs measured stage time",
+        "",
+        f"Command: `{(COMMAND + ' ' + ' '.join(argv)).strip()}` ({wall:.0f} s; {machine}).",
+        f"Host and card spec: this host calibrated with 1 thread ({args.calibrate_seconds:g} s) right before each "
+        f"model is measured, in each of {args.rounds} round(s); the card is ONNX Runtime (1 thread) on the same CPU, no link. Last "
+        f"spec: {specs[-1].description}. Tables capped at {args.max_rows:,} rows, fp32. Each stage is timed on "
+        f"its own over {args.batches} distinct batches per run, median of {args.runs} runs; estimate and "
+        f"measured are medians over the rounds; ratio = measured / estimate, with each round's ratio; "
+        f"best-run ratio = the fastest run / estimate (calibration is best-of too, so this compares like "
+        f"with like on a loaded machine). Goal: ratio within {GOAL:.0%}.",
+        "",
+        "| model | stage | batch rows | estimate ms | measured ms | ratio | per-round ratios | best-run ratio "
+        "| within 25% | cost inputs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        for stage, rounds in r["stages"].items():
+            est = statistics.median(e for e, _, _ in rounds)
+            got = statistics.median(g for _, g, _ in rounds)
+            best = statistics.median(b for _, _, b in rounds)
+            ratios = [g / e for e, g, _ in rounds if e > 0]
+            ratio = got / est if est > 0 else float("inf")
+            ok = "yes" if abs(ratio - 1) <= GOAL else "**no**"
+            lines.append(f"| {name} | {stage} | {r['batch_rows']} | {est * 1e3:.3f} | {got * 1e3:.3f} | {ratio:.2f} "
+                         f"| {min(ratios):.2f}..{max(ratios):.2f} | {best / est:.2f} | {ok} | {r['notes'][stage]} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
+    """Replace this bench's marked section in BENCHMARKS.md (append it when absent)."""
+    begin, end = f"<!-- bench:{SECTION} begin -->", f"<!-- bench:{SECTION} end -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--max-rows", type=int, default=50_000)
+    parser.add_argument("--batch-rows", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="calibrate-plan-measure rounds")
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--batches", type=int, default=3, help="distinct batches per stage per run")
+    parser.add_argument("--calibrate-seconds", type=float, default=6.0)
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 runs of 1 batch, short calibration")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.runs, args.batches, args.calibrate_seconds = 1, 3, 1, 1.5
+    if min(args.rounds, args.runs, args.batches) < 1:
+        parser.error("--rounds, --runs and --batches must be >= 1")
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    stages = {}
+    for name in args.models:
+        stages[name] = load_stages(name, load_spec("host-cpu"), args.max_rows, args.batch_rows, args.batches)
+        print(f"  {name} loaded ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    results = {name: {"batch_rows": st.batch_rows, "notes": st.notes,
+                      "stages": {"host (sparse)": [], "card (dense)": []}} for name, st in stages.items()}
+    specs = []
+    for round_ in range(args.rounds):
+        for name, st in stages.items():
+            # Calibrated right before each model is measured: this VM's speed drifts by tens of
+            # percent over a minute (other tenants), so a spec from a minute ago is not this one.
+            host = calibrate_host(args.calibrate_seconds, threads=1, name="host-calibrated-1t")
+            card = dataclasses.replace(host, name="host-as-card", kind="card", link_bandwidth=0, link_latency_s=0.0)
+            specs.append(host)
+            print(f"round {round_ + 1}, {name}: {host.description}", file=sys.stderr)
+            est = estimate(name, host, card, args.max_rows, args.batch_rows)
+            got = {"host (sparse)": time_stage(st.host_exe, st.requests, args.runs),
+                   "card (dense)": time_stage(st.dense_exe, st.feeds, args.runs)}
+            for stage, times in got.items():
+                results[name]["stages"][stage].append((est[stage], statistics.median(times), min(times)))
+            print(f"  {name}: " + ", ".join(f"{k} {statistics.median(t) / est[k]:.2f} (best {min(t) / est[k]:.2f})"
+                                            for k, t in got.items()), file=sys.stderr)
+    for st in stages.values():
+        st.host_exe.close()
+        st.dense_exe.close()
+    text = format_section(results, specs, argv, time.perf_counter() - t0, args)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+        print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
