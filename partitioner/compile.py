@@ -24,7 +24,7 @@ from backends.api import Backend, PartitionArtifact
 from backends.spec import DeviceSpec, load_spec
 from models.signature import DENSE, INDICES, LENGTHS, SCORES
 
-from .cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, stage_seconds
+from .cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, op_profile, stage_seconds
 from .frontend import export_model
 from .graph_cut import SplitGraph, cut_graph
 from .plan import (DeviceEstimate, DeviceInfo, Estimates, PartitionInfo, PartitionPlan, TensorInfo)
@@ -160,15 +160,19 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     small_args, large_args = _dense_args(split, small, small_b), _dense_args(split, large, large_b)
 
     ids_per_item = large[INDICES].numel() / large[DENSE].shape[0]
+    # Op profiles: a calibrated spec (sixfold-partition calibrate) prices each partition op by op.
+    host_args = [tuple(b[n] for n in split.host_inputs) for b in (small, large)]
     host_cost = PartitionCost(
         param_bytes=module_param_bytes(split.host), flops_per_item=0.0,
-        bytes_per_item=ids_per_item * lookup_bytes_per_id(split.host), weight_bytes_per_batch=0)
+        bytes_per_item=ids_per_item * lookup_bytes_per_id(split.host), weight_bytes_per_batch=0,
+        ops=op_profile(split.host, host_args[0], 4, host_args[1], 64))
     dense_param = module_param_bytes(split.dense)
     dense_in_per_item = sum(a.numel() * a.element_size() for a in large_args) / 64
     dense_cost = PartitionCost(
         param_bytes=dense_param,
         flops_per_item=flops_per_item(split.dense, small_args, 4, large_args, 64),
-        bytes_per_item=2.0 * dense_in_per_item, weight_bytes_per_batch=dense_param)
+        bytes_per_item=2.0 * dense_in_per_item, weight_bytes_per_batch=dense_param,
+        ops=op_profile(split.dense, small_args, 4, large_args, 64))
     out_per_item = 4.0
 
     host_info = DeviceInfo(id="host", spec=host)

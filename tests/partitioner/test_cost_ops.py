@@ -104,3 +104,26 @@ def test_uncalibrated_specs_and_profile_free_costs_keep_the_roofline():
     assert stage_seconds(plain, with_ops, 100, 0.0, 0.0) == pytest.approx(roofline)
     calibrated = device(flops=1e9, memory_bandwidth=1e9, link_bandwidth=0.0, per_op_seconds=1e-6)
     assert stage_seconds(calibrated, without, 100, 0.0, 0.0) == pytest.approx(roofline)
+
+
+def test_plans_on_a_calibrated_spec_are_priced_op_by_op():
+    """partition_builtin wires the op profiles in: only an op-by-op price moves with ``per_op_seconds``."""
+    import dataclasses
+
+    from backends.spec import load_spec
+    from partitioner.compile import partition_builtin
+
+    base = load_spec("host-calibrated")
+    assert base.calibrated
+    slower = dataclasses.replace(base, per_op_seconds=base.per_op_seconds + 1e-3)
+
+    def seconds(spec) -> dict[str, float]:
+        _, partitioned = partition_builtin("rm1", max_rows=200, cards=1, card_spec=spec, host_spec=spec,
+                                           batch_rows=64, compile=False)
+        return {d.device: d.batch_seconds for d in partitioned.plan.estimates.per_device}
+
+    before, after = seconds(base), seconds(slower)
+    for device_id in ("host", "card0"):
+        extra_ops = (after[device_id] - before[device_id]) / 1e-3
+        # One extra millisecond per priced op: a whole number of ops, at least one matmul/gather.
+        assert extra_ops >= 1 and extra_ops == pytest.approx(round(extra_ops), abs=1e-6), (device_id, extra_ops)
