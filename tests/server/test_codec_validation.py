@@ -69,6 +69,8 @@ def test_typed_contents_count_mismatch_and_bad_datatype() -> None:
     (lambda r: r.update(sparse_indices=np.array([9, 19, 0], np.int64)), "sums to 4 ids but 'sparse_indices' has 3"),
     (lambda r: r.update(sparse_indices=np.array([9, 20, 0, 5], np.int64)), r"id 20 at position 1 is out of range for table 1"),
     (lambda r: r.update(sparse_indices=np.array([-1, 19, 0, 5], np.int64)), "id -1 at position 0"),
+    # In range for the larger table 1 but not for table 0, which it belongs to.
+    (lambda r: r.update(sparse_indices=np.array([10, 19, 0, 5], np.int64)), r"id 10 at position 0 .* table 0"),
     (lambda r: r.update(extra=np.zeros(1, np.float32)), r"unknown input\(s\) \['extra'\]"),
     (lambda r: r.pop("sparse_lengths"), "missing input 'sparse_lengths'"),
 ])
