@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--find-max-qps", action="store_true", help="sweep then binary-search the offered QPS")
     search.add_argument("--p99-ms", type=float, default=None, help="the p99 latency target in ms (required)")
     search.add_argument("--min-qps", type=float, default=10.0, help="first step's QPS (default 10)")
+    search.add_argument("--floor-qps", type=float, default=0.25,
+                        help="if the first step fails, halve down to this QPS at least (default 0.25)")
     search.add_argument("--max-qps", type=float, default=10_000.0, help="highest QPS tried (default 10000)")
     search.add_argument("--step-duration", type=float, default=10.0, help="measured seconds per step (default 10)")
     search.add_argument("--tolerance", type=float, default=0.05,
@@ -149,6 +151,7 @@ def _run(args: argparse.Namespace, config: LoadConfig, console: Console | None) 
     if args.find_max_qps:
         from .sweep import SweepConfig, find_max_qps
         sweep = SweepConfig(p99_ms=args.p99_ms, min_qps=args.min_qps, max_qps=args.max_qps,
+                            floor_qps=min(args.floor_qps, args.min_qps),
                             step_duration_s=args.step_duration, tolerance=args.tolerance,
                             max_steps=args.max_steps, max_error_rate=args.max_error_rate)
         return find_max_qps(config, sweep, console=console)

@@ -5,14 +5,17 @@ short, bounded open-loop run (same arrival process and query sizes as a
 normal run) over one connection to the server:
 
 1. Sweep: start at ``min_qps`` and double until a step fails or ``max_qps``
-   is reached (the last step is clamped to ``max_qps``).
+   is reached (the last step is clamped to ``max_qps``). If the very first step
+   fails, halve instead until a step passes or the rate would drop below
+   ``floor_qps`` (the last step is clamped to it): a slow server still gets an
+   answer rather than "none".
 2. Binary search between the highest passing and the lowest failing rate,
    until they are within ``tolerance`` of each other or ``max_steps`` steps ran.
 
 A step passes when its p99 (from scheduled time, so queueing counts) is at most
 ``p99_ms``, at most ``max_error_rate`` of its requests failed, and the server
 answered at least 90% of the scheduled rate. The answer is the highest passing
-rate (None when even ``min_qps`` fails). Each step uses a new seed so that steps
+rate (None when even ``floor_qps`` fails). Each step uses a new seed so that steps
 are independent draws; after a failing step the server gets ``settle_s`` to
 empty its queues before the next step starts.
 """
@@ -45,7 +48,10 @@ class SweepConfig:
     p99_ms: float
     """Latency target: a step passes only if its p99 is at most this."""
     min_qps: float = 10.0
+    """The first step's rate."""
     max_qps: float = 10_000.0
+    floor_qps: float = 0.25
+    """The lowest rate tried when the first step fails."""
     step_duration_s: float = 10.0
     """Measured window of each step (the run's ``warmup_s`` comes before it)."""
     tolerance: float = 0.05
@@ -55,12 +61,14 @@ class SweepConfig:
     settle_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("p99_ms", "min_qps", "max_qps", "step_duration_s", "tolerance"):
+        for name in ("p99_ms", "min_qps", "max_qps", "floor_qps", "step_duration_s", "tolerance"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
         if self.min_qps > self.max_qps:
             raise ValueError(f"min_qps {self.min_qps:g} is above max_qps {self.max_qps:g}")
+        if self.floor_qps > self.min_qps:
+            raise ValueError(f"floor_qps {self.floor_qps:g} is above min_qps {self.min_qps:g}")
         if self.max_steps < 1 or not 0 <= self.max_error_rate < 1 or self.settle_s < 0:
             raise ValueError("max_steps must be >= 1, 0 <= max_error_rate < 1, settle_s >= 0")
 
@@ -101,7 +109,7 @@ def print_sweep(report: Report, console: Console) -> None:
     console.print(table)
     best = report.max_qps_under_slo
     console.print(Text(f"max QPS with p99 <= {slo.get('p99_ms', 0):g} ms: "
-                       + (f"{best:,.1f}" if best is not None else f"none (even {slo.get('min_qps', 0):g} q/s fails)"),
+                       + (f"{best:,.1f}" if best is not None else f"none (even {slo.get('floor_qps', slo.get('min_qps', 0)):g} q/s fails)"),
                        style="bold"))
 
 
@@ -157,6 +165,12 @@ async def find_max_qps_async(config: LoadConfig, sweep: SweepConfig, *, console:
             if qps >= sweep.max_qps:
                 break
             qps = min(qps * 2, sweep.max_qps)
+        while low is None and high is not None and high > sweep.floor_qps and len(rows) < sweep.max_steps:
+            qps = max(high / 2, sweep.floor_qps)
+            if await step(qps, "down"):
+                low = qps
+            else:
+                high = qps
         while (low is not None and high is not None and high - low > sweep.tolerance * low
                and len(rows) < sweep.max_steps):
             mid = (low + high) / 2
@@ -168,6 +182,7 @@ async def find_max_qps_async(config: LoadConfig, sweep: SweepConfig, *, console:
     assert report is not None
     report = dataclasses.replace(report, sweep=rows, max_qps_under_slo=low,
                                  slo={"p99_ms": sweep.p99_ms, "min_qps": sweep.min_qps, "max_qps": sweep.max_qps,
+                                      "floor_qps": sweep.floor_qps,
                                       "step_duration_s": sweep.step_duration_s, "tolerance": sweep.tolerance,
                                       "max_error_rate": sweep.max_error_rate})
     return report

@@ -53,6 +53,20 @@ async def test_find_max_qps_finds_the_knee_of_a_saturating_server(fake_server):
     json.dumps(report.to_dict(), allow_nan=False)
 
 
+async def test_find_max_qps_searches_down_when_the_first_step_fails(fake_server):
+    """Started far above a ~50 q/s server's knee, the search halves until a step passes, then bisects."""
+    server = fake_server(latency_s=0.020, serial=True)
+    sweep = SweepConfig(p99_ms=80.0, min_qps=200.0, max_qps=400.0, floor_qps=5.0, step_duration_s=0.8,
+                        tolerance=0.15, settle_s=0.3, max_steps=8)
+    report = await find_max_qps_async(config(server, arrival="constant", qps=1.0), sweep)
+    rows = report.sweep
+    assert rows[0]["qps"] == 200 and not rows[0]["pass"]
+    down = [r for r in rows if r["phase"] == "down"]
+    assert [r["qps"] for r in down][:2] == [100, 50] and down[-1]["pass"]
+    assert all(not r["pass"] for r in down[:-1])
+    assert report.max_qps_under_slo is not None and 20.0 <= report.max_qps_under_slo <= 55.0
+
+
 async def test_record_then_replay_reproduces_schedule_sizes_and_results(fake_server, tmp_path):
     server = fake_server(latency_s=0.005, keep_ids=True)
     path = tmp_path / "run.npz"
