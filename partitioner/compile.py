@@ -91,7 +91,9 @@ def _export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], input_
     dynamic = tuple({0: torch.export.Dim(f"rows_{i}", min=1)} for i in range(len(args)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        # NOTE: the exporter's optimizer logs every pass at INFO; a server's start-up log is for the plan.
+        for noisy in ("torch.onnx", "onnxscript", "onnx_ir"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
         program = torch.onnx.export(module.eval(), args, dynamo=True, input_names=input_names,
                                     output_names=output_names, dynamic_shapes=dynamic,
                                     optimize=True, verbose=False)

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-options-file", metavar="JSON",
                    help="backend options as a JSON object, e.g. backends/specs/faults/flaky.json for simcard")
     p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
+    p.add_argument("--host-spec", default="host-cpu",
+                   help="device spec name or JSON file for the host (e.g. one written by "
+                        "'sixfold-partition calibrate'); prices the host stage in the printed plan")
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
                    help="embedding tables row-wise precision on the host (default fp32)")
     p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16"],
@@ -111,7 +114,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
             served = await asyncio.to_thread(
                 load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
-                backend=args.backend, card_spec=args.card_spec, metrics=metrics, batching=batching,
+                backend=args.backend, card_spec=args.card_spec, host_spec=args.host_spec, metrics=metrics,
+                batching=batching,
                 table_precision=args.table_precision, backend_options=backend_options,
                 max_card_rows=args.max_card_batch_rows, sparse_on_cards=args.sparse_on_cards,
                 dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows)

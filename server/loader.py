@@ -102,12 +102,12 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
 
 
 def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
-                 card_spec: str, metrics: ServerMetrics, batching: BatchingConfig,
+                 card_spec: str, metrics: ServerMetrics, batching: BatchingConfig, host_spec: str = "host-cpu",
                  table_precision: str = "fp32", backend_options: dict | None = None,
                  max_card_rows: int | None = None, sparse_on_cards: str | None = None,
                  dense_precision: str = "fp32", host_dense_max_rows: int = -1) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
-                                       table_precision=table_precision)
+                                       host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
         from partitioner.precision import apply_dense_precision
         apply_dense_precision(partitioned, dense_precision)

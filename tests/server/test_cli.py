@@ -20,7 +20,7 @@ SERVE = Path(sys.executable).parent / "sixfold-serve"
 
 
 def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
-    serve = ServeProcess("--model", "rm1", "--max-rows", "500", "--cards", "2",
+    serve = ServeProcess("--model", "rm1", "--max-rows", "500", "--cards", "2", "--host-spec", "host-calibrated",
                          "--grpc-port", "0", "--metrics-port", str(free_port()))
     proc, url, lines = serve.proc, serve.url, serve.lines
     try:
@@ -60,6 +60,7 @@ def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
             "a request queued before SIGTERM should still be answered after it"
         output = "".join(lines)
         assert "card1" in output and "bottleneck" in output  # the plan is explained at start
+        assert "host-calibrated" in output  # ... with the host spec asked for
         assert "stopped" in output
     finally:
         serve.kill()
@@ -69,3 +70,6 @@ def test_serve_reports_a_bad_model_cleanly() -> None:
     result = subprocess.run([str(SERVE), "--model", "nope", "--grpc-port", "0", "--metrics-port", "-1"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unknown model 'nope'" in result.stderr
+    result = subprocess.run([str(SERVE), "--model", "rm1", "--max-rows", "100", "--host-spec", "no-such-spec",
+                             "--grpc-port", "0", "--metrics-port", "-1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "no-such-spec" in result.stderr, result.stderr
