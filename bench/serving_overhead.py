@@ -1,0 +1,414 @@
+"""Serving overhead benchmark: sixfold on a trivial model vs a bare grpc.aio echo server, both under perf_analyzer.
+
+Goal: sixfold's throughput on the ``tiny`` model (3 x 100 rows, dim 8: compute ~0) is at
+least 0.8 x that of the floor of any Python gRPC server, at perf_analyzer ``--concurrency-range 16``.
+
+Servers, each in its own process (perf_analyzer, a C++ process, drives both the same way):
+  sixfold  ``sixfold-serve --model tiny --cards 6 --grpc-port 0 --metrics-port -1``, as a user
+           would start it (simulated cards; the batcher, routing and stats as in production)
+  echo     this file with ``--echo-server``: a bare grpc.aio server on uvloop (like sixfold)
+           implementing only what perf_analyzer calls: ServerLive/Ready, ModelReady,
+           ModelMetadata and ModelConfig (copied verbatim from sixfold's answers), ModelStatistics
+           (real counters) and ModelInfer, which answers ``scores`` FP32 [N, 1] zeros as raw
+           output contents. No decoding, no batching, no model.
+
+Each run is one perf_analyzer run per (query size, server): ``--concurrency-range 16``
+(its default sync mode: 16 client threads), ``--measurement-interval`` ms windows, 3 windows
+(``--max-trials 3``; the stability check is opened wide so a run never aborts, and
+the report is over the 3 windows). Servers are interleaved with the order rotated every run
+(sixfold, echo / echo, sixfold); the report is the median over ``--runs`` runs of infer/s and
+of perf_analyzer's p50/p99 latency, and the median of the per-run ratios. Requests: 8
+different ``RequestGenerator`` queries of the same size (seeded), cycled by perf_analyzer.
+CPU per request, of the server (/proc) and of perf_analyzer (rusage), over the whole
+perf_analyzer run divided by the requests ModelStatistics counted, says where a 2-core
+machine's time goes.
+
+    .venv/bin/python bench/serving_overhead.py              # writes the section into BENCHMARKS.md
+    .venv/bin/python bench/serving_overhead.py --quick --no-write
+    .venv/bin/python bench/serving_overhead.py --serve-arg=--max-queue-delay-us=0   # other sixfold flags
+    .venv/bin/python bench/serving_overhead.py --echo-server --port 0 --model-from 127.0.0.1:8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SECTION = "serving-overhead"
+COMMAND = ".venv/bin/python bench/serving_overhead.py"
+TOOL = ROOT.parent / "shared" / "tools" / "perf_analyzer"
+MODEL = "tiny"
+CONCURRENCY = 16
+GOAL = 0.8
+SERVERS = ("sixfold", "echo")
+
+
+# ----------------------------------------------------------------------------------------------
+# The echo server (runs in its own process: ``--echo-server``)
+
+
+def _echo_servicer(metadata, config):
+    """A GRPCInferenceServiceServicer with only what perf_analyzer needs; answers zeros."""
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    name, version = metadata.name, (metadata.versions[0] if metadata.versions else "1")
+    output = metadata.outputs[0]
+    batch_input = metadata.inputs[0].name  # its first dim is the query's item count N
+
+    class EchoServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def __init__(self) -> None:
+            self.requests = self.items = self.ns = 0
+            self.last_ms = 0
+
+        async def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+        async def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=True)
+
+        async def ServerMetadata(self, request, context):
+            return pb.ServerMetadataResponse(name="echo", version="0", extensions=["statistics"])
+
+        async def ModelReady(self, request, context):
+            return pb.ModelReadyResponse(ready=request.name == name)
+
+        async def ModelMetadata(self, request, context):
+            return metadata
+
+        async def ModelConfig(self, request, context):
+            return config
+
+        async def ModelStatistics(self, request, context):
+            d = pb.StatisticDuration
+            zero = d(count=self.requests, ns=0)
+            stats = pb.InferStatistics(success=d(count=self.requests, ns=self.ns), fail=d(), queue=zero,
+                                       compute_input=zero, compute_infer=d(count=self.requests, ns=self.ns),
+                                       compute_output=zero)
+            response = pb.ModelStatisticsResponse()
+            response.model_stats.add(name=name, version=version, last_inference=self.last_ms,
+                                     inference_count=self.items, execution_count=self.requests,
+                                     inference_stats=stats)
+            return response
+
+        async def ModelInfer(self, request, context):
+            t0 = time.perf_counter_ns()
+            n = next((t.shape[0] for t in request.inputs if t.name == batch_input and t.shape), 1)
+            response = pb.ModelInferResponse(model_name=name, model_version=version, id=request.id)
+            response.outputs.add(name=output.name, datatype=output.datatype, shape=[n, 1])
+            response.raw_output_contents.append(bytes(4 * n))
+            self.requests += 1
+            self.items += n
+            self.ns += time.perf_counter_ns() - t0
+            self.last_ms = int(time.time() * 1000)
+            return response
+
+    return EchoServicer()
+
+
+def _model_protos(url: str, model: str):
+    """ModelMetadata and ModelConfig responses of ``model`` from the KServe v2 server at ``url``."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return (stub.ModelMetadata(pb.ModelMetadataRequest(name=model), timeout=30),
+                stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=30))
+
+
+async def _serve_echo(host: str, port: int, metadata, config) -> None:
+    import asyncio
+
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    # NOTE: the same message limits as sixfold's server (ServerConfig.max_message_bytes).
+    options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
+    server = grpc.aio.server(options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_echo_servicer(metadata, config), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    print(f"READY grpc={host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(0.5)
+
+
+def echo_main(host: str, port: int, model_from: str, model: str) -> int:
+    import uvloop
+
+    metadata, config = _model_protos(model_from, model)
+    uvloop.run(_serve_echo(host, port, metadata, config))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver
+
+
+class Child:
+    """A server command in its own process; ``url`` is set once it prints ``READY grpc=HOST:PORT``.
+
+    ``stop()`` (always called, in a finally) sends SIGTERM, then SIGKILL after a few seconds.
+    """
+
+    def __init__(self, name: str, cmd: list[str], timeout_s: float = 180.0) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.lines: list[str] = []
+        self.url = ""
+        ready = threading.Event()
+
+        def pump() -> None:
+            for line in self.proc.stdout:  # type: ignore[union-attr]
+                self.lines.append(line)
+                if line.startswith("READY grpc="):
+                    self.url = line.split("=", 1)[1].strip()
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        ready.wait(timeout_s)
+        if not self.url:
+            self.stop()
+            raise RuntimeError(f"{name} did not start:\n" + "".join(self.lines[-30:]))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, all threads) the process has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished, waited-for children (perf_analyzer runs; servers still run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def successes(url: str, model: str) -> int:
+    """Requests the server answered so far (ModelStatistics' success count)."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
+    return int(stats.model_stats[0].inference_stats.success.count)
+
+
+def write_input_data(items: int, path: Path, entries: int = 8, seed: int = 0) -> Path:
+    """``entries`` different ``tiny`` queries of ``items`` items as perf_analyzer --input-data JSON."""
+    import models
+    from loadgen.export import write_perf_analyzer_json
+
+    gen = models.RequestGenerator.for_config(models.get_config(MODEL), seed=seed + items)
+    return write_perf_analyzer_json((gen.make(items) for _ in range(entries)), path)[0]
+
+
+@dataclass
+class Run:
+    infer_per_s: float
+    p50_us: float
+    p99_us: float
+    cpu_us_per_req: float | None  # server CPU per request over the whole perf_analyzer run
+    client_cpu_us_per_req: float | None  # perf_analyzer's own CPU per request, the same way
+
+
+def perf_analyzer(url: str, data: Path, csv_path: Path, interval_ms: int, trials: int) -> tuple[float, float, float]:
+    """One perf_analyzer run at concurrency 16: (infer/s, p50 us, p99 us) from its CSV report."""
+    cmd = [str(TOOL), "-m", MODEL, "-i", "grpc", "-u", url, "--input-data", str(data),
+           "--concurrency-range", f"{CONCURRENCY}", "--measurement-interval", str(interval_ms),
+           # NOTE: max/min within 1000% always holds: the run is exactly ``trials`` windows and
+           # never aborts as unstable on a noisy shared machine (medians over runs smooth it).
+           "--stability-percentage", "1000", "--max-trials", str(trials), "-f", str(csv_path)]
+    csv_path.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=60 + 3 * trials * interval_ms / 1000)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    if proc.returncode != 0 or not csv_path.exists():
+        raise RuntimeError(f"perf_analyzer failed (rc {proc.returncode}): {' '.join(cmd)}\n{output[-3000:]}")
+    with open(csv_path, newline="") as f:
+        row = next(csv.DictReader(f))
+    return float(row["Inferences/Second"]), float(row["p50 latency"]), float(row["p99 latency"])
+
+
+@dataclass
+class Result:
+    runs: dict[str, list[Run]] = field(default_factory=lambda: {s: [] for s in SERVERS})
+
+    def median(self, server: str, key: str) -> float:
+        values = [getattr(r, key) for r in self.runs[server] if getattr(r, key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    def ratios(self) -> list[float]:
+        return [s.infer_per_s / e.infer_per_s for s, e in zip(self.runs["sixfold"], self.runs["echo"])]
+
+
+def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: Path,
+          serve_args: list[str] = ()) -> dict[int, Result]:
+    servers: dict[str, Child] = {}
+    try:
+        servers["sixfold"] = Child("sixfold", [str(Path(sys.executable).parent / "sixfold-serve"), "--model", MODEL,
+                                               "--cards", "6", "--grpc-port", "0", "--metrics-port", "-1",
+                                               *serve_args])
+        servers["echo"] = Child("echo", [sys.executable, str(Path(__file__).resolve()), "--echo-server",
+                                         "--port", "0", "--model-from", servers["sixfold"].url])
+        data = {n: write_input_data(n, workdir / f"input-{n}.json") for n in sizes}
+        csv_path = workdir / "pa.csv"
+        for name, child in servers.items():  # warm up: connections, allocator, sixfold's first batches
+            perf_analyzer(child.url, data[sizes[0]], csv_path, min(interval_ms, 500), 3)
+            print(f"  warmed up {name}", file=sys.stderr)
+        results = {n: Result() for n in sizes}
+        for r in range(runs):
+            for n in sizes:
+                order = SERVERS if (r + sizes.index(n)) % 2 == 0 else SERVERS[::-1]
+                for name in order:
+                    child = servers[name]
+                    count0, cpu0, client0 = successes(child.url, MODEL), child.cpu_s(), children_cpu_s()
+                    ips, p50, p99 = perf_analyzer(child.url, data[n], csv_path, interval_ms, trials)
+                    cpu, client = child.cpu_s() - cpu0, children_cpu_s() - client0
+                    count = successes(child.url, MODEL) - count0
+                    per_req = (lambda s: s / count * 1e6) if count > 0 else (lambda s: None)
+                    results[n].runs[name].append(Run(ips, p50, p99, per_req(cpu), per_req(client)))
+                print(f"  run {r + 1}/{runs} items={n}: sixfold {results[n].runs['sixfold'][-1].infer_per_s:,.0f}, "
+                      f"echo {results[n].runs['echo'][-1].infer_per_s:,.0f} infer/s", file=sys.stderr)
+        return results
+    finally:
+        for child in servers.values():
+            child.stop()
+
+
+def format_section(results: dict[int, Result], args: argparse.Namespace, argv: list[str], wall: float) -> str:
+    import grpc
+
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+               f"grpcio {grpc.__version__}, perf_analyzer 2.41.0, {time.strftime('%Y-%m-%d')}")
+    runs = args.runs
+    serve = " ".join(["sixfold-serve --model tiny --cards 6", *args.serve_arg])
+    lines = [
+        "## Serving overhead (sixfold on `tiny` vs a bare grpc.aio echo server)",
+        "",
+        f"Command: `{(COMMAND + ' ' + ' '.join(argv)).strip()}` ({wall:.0f} s; {machine}).",
+        f"perf_analyzer `--concurrency-range {CONCURRENCY}` (sync, 16 client threads) on the same machine, "
+        f"{args.trials} windows of {args.interval_ms} ms per run; servers interleaved, order rotated every run; "
+        f"medians of {runs} runs, the ratio is the median of per-run ratios. Each server is its own process "
+        f"(`{serve}`; the echo server: `bench/serving_overhead.py --echo-server`). "
+        f"Queries: 8 seeded `RequestGenerator` queries of the given size, cycled. "
+        f"CPU columns: CPU time (user + system) over the whole perf_analyzer run divided by the requests "
+        f"the server answered in it (server: /proc; perf_analyzer: rusage of the finished child).",
+        "",
+        f"| items/query | server | infer/s per run | infer/s (median) | p50 ms | p99 ms | server CPU us/request "
+        f"| perf_analyzer CPU us/request | sixfold / echo (median of per-run ratios) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for n, res in results.items():
+        ratio = statistics.median(res.ratios())
+        for name in SERVERS:
+            per_run = ", ".join(f"{r.infer_per_s:,.0f}" for r in res.runs[name])
+            cpu, client = res.median(name, "cpu_us_per_req"), res.median(name, "client_cpu_us_per_req")
+            lines.append(f"| {n} | {name} | {per_run} | {res.median(name, 'infer_per_s'):,.0f} "
+                         f"| {res.median(name, 'p50_us') / 1e3:.2f} | {res.median(name, 'p99_us') / 1e3:.2f} "
+                         f"| {cpu:,.0f} | {client:,.0f} | {f'**{ratio:.3f}**' if name == 'sixfold' else ''} |")
+        verdicts.append(f"{ratio:.3f} at {n} item(s)/query ({'met' if ratio >= GOAL else 'NOT met'})")
+    per_run = "; ".join(f"{n} item(s): " + ", ".join(f"{x:.3f}" for x in res.ratios()) for n, res in results.items())
+    lines += ["", f"Goal: sixfold / echo throughput >= {GOAL}: {'; '.join(verdicts)}. Per-run ratios: {per_run}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
+    """Replace this bench's marked section in BENCHMARKS.md (append it when absent)."""
+    # NOTE: the same helper as in the other bench scripts (each has its own copy; there is no shared module).
+    begin, end = f"<!-- bench:{SECTION} begin -->", f"<!-- bench:{SECTION} end -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="perf_analyzer runs per server and size (median reported)")
+    parser.add_argument("--items", type=int, nargs="+", default=[1, 16], help="query sizes (items per request)")
+    parser.add_argument("--interval-ms", type=int, default=1500, help="perf_analyzer measurement window (ms)")
+    parser.add_argument("--trials", type=int, default=3,
+                        help="measurement windows per perf_analyzer run (at least 3: its stability check needs 3)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="extra sixfold-serve argument, e.g. --serve-arg=--max-queue-delay-us=0 (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="2 runs of 3 x 500 ms windows, 1 item (a smoke run)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    parser.add_argument("--echo-server", action="store_true", help="serve the echo server (and nothing else)")
+    parser.add_argument("--host", default="127.0.0.1", help="with --echo-server: address to bind")
+    parser.add_argument("--port", type=int, default=0, help="with --echo-server: gRPC port (0: a free one)")
+    parser.add_argument("--model-from", metavar="HOST:PORT",
+                        help="with --echo-server: copy the model's metadata and config from this KServe v2 server")
+    parser.add_argument("--model", default=MODEL, help="with --echo-server: the model to copy and answer for")
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        if not args.model_from:
+            parser.error("--echo-server needs --model-from HOST:PORT (a running sixfold-serve)")
+        return echo_main(args.host, args.port, args.model_from, args.model)
+    if args.quick:
+        args.runs, args.items, args.interval_ms = 2, [1], 500
+    args.trials = max(args.trials, 3)
+    if not TOOL.exists():
+        print(f"serving_overhead: skipped: perf_analyzer wrapper not found at {TOOL}", file=sys.stderr)
+        return 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
+        results = bench(args.items, args.runs, args.interval_ms, args.trials, Path(tmp), args.serve_arg)
+    text = format_section(results, args, argv, time.perf_counter() - t0)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+        print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
