@@ -46,6 +46,7 @@ from backends.calibrate import calibrate_host  # noqa: E402
 from backends.spec import DeviceSpec, load_spec  # noqa: E402
 from models import RequestGenerator  # noqa: E402
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin  # noqa: E402
+from bench._common import write_section  # noqa: E402
 
 SECTION = "estimate-vs-measured"
 COMMAND = ".venv/bin/python bench/estimate_vs_measured.py"
@@ -138,19 +139,6 @@ def format_section(results: dict, specs: list[DeviceSpec], argv: list[str], wall
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Replace this bench's marked section in BENCHMARKS.md (append it when absent)."""
-    begin, end = f"<!-- bench:{SECTION} begin -->", f"<!-- bench:{SECTION} end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        new = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -198,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     text = format_section(results, specs, argv, time.perf_counter() - t0, args)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
     return 0
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.host_embedding import HostEmbeddingStage  # noqa: E402
 from models.dlrm import TableBatchedEmbedding  # noqa: E402
+from bench._common import write_section  # noqa: E402
 
 SECTION = "host-embedding"
 COMMAND = ".venv/bin/python bench/host_embedding.py"
@@ -153,19 +154,6 @@ def format_table(results: dict[tuple[str, int], dict[str, dict[str, float]]], ru
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Replace this bench's marked section in BENCHMARKS.md (append it when absent)."""
-    begin, end = f"<!-- bench:{SECTION} begin -->", f"<!-- bench:{SECTION} end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        new = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="timed runs per variant (median reported)")
@@ -193,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{table}\n")
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
     return 0
 

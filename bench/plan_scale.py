@@ -41,6 +41,7 @@ from partitioner.frontend import export_model  # noqa: E402
 from partitioner.graph_cut import cut_graph  # noqa: E402
 from partitioner.plan import DeviceInfo  # noqa: E402
 from partitioner.sparse_dense import assign_sparse_dense  # noqa: E402
+from bench._common import write_section  # noqa: E402
 
 SECTION = "plan-scale"
 COMMAND = ".venv/bin/python bench/plan_scale.py"
@@ -182,19 +183,6 @@ def format_section(tables: int, runs: int, times: dict[str, float], facts: dict[
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Replace this bench's marked section in BENCHMARKS.md (append it when absent)."""
-    begin, end = f"<!-- bench:{SECTION} begin -->", f"<!-- bench:{SECTION} end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        new = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -210,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     text = format_section(args.tables, args.runs, times, facts, argv, time.perf_counter() - t0)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
     return 0
 

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = LIMIT_S
     if args[:1] == ["--limit"]:
         limit, args = int(args[1]), args[2:]
-    benches = sorted(p for p in HERE.glob("*.py") if p.name not in {"run_all.py", "__init__.py"})
+    benches = sorted(p for p in HERE.glob("*.py") if p.name != "run_all.py" and not p.name.startswith("_"))
     failed = []
     for bench in benches:
         t0 = time.perf_counter()

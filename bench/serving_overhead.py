@@ -50,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._common import write_section  # noqa: E402
+
 SECTION = "serving-overhead"
 COMMAND = ".venv/bin/python bench/serving_overhead.py"
 TOOL = ROOT.parent / "shared" / "tools" / "perf_analyzer"
@@ -356,20 +358,6 @@ def format_section(results: dict[int, Result], args: argparse.Namespace, argv: l
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Replace this bench's marked section in BENCHMARKS.md (append it when absent)."""
-    # NOTE: the same helper as in the other bench scripts (each has its own copy; there is no shared module).
-    begin, end = f"<!-- bench:{SECTION} begin -->", f"<!-- bench:{SECTION} end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        new = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -405,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     text = format_section(results, args, argv, time.perf_counter() - t0)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
     return 0
 
