@@ -50,7 +50,10 @@ def assign_sparse_dense(graph: fx.Graph) -> dict[fx.Node, str]:
 
     Lookups and their ancestors are HOST; a node that only unpacks a HOST result
     (``getitem``) stays with it; nodes with no users (runtime asserts) follow
-    their inputs. Raises ValueError when the graph has no embedding lookup.
+    their inputs, and so do the size reads and comparisons that feed only such
+    asserts (``sym_size -> ge -> _assert_scalar``: torch.export's checks on
+    data-dependent sizes), so a card is never sent a host tensor just to check
+    its length. Raises ValueError when the graph has no embedding lookup.
     """
     lookups = [n for n in graph.nodes if is_embedding_lookup(n)]
     if not lookups:
@@ -76,6 +79,19 @@ def assign_sparse_dense(graph: fx.Graph) -> dict[fx.Node, str]:
         elif not node.users and node.all_input_nodes and all(
                 labels.get(i) == HOST for i in node.all_input_nodes):
             labels[node] = HOST
+        elif (_only_checks(node, {}) and node.all_input_nodes
+              and all(labels.get(i) == HOST for i in node.all_input_nodes)):
+            labels[node] = HOST
         else:
             labels[node] = DENSE
     return labels
+
+
+def _only_checks(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Whether every use of ``node`` ends in a node with no users (a runtime assert), through scalars only."""
+    if node not in memo:
+        memo[node] = False  # NOTE: provisional, so a cycle (there is none in an fx graph) cannot recurse forever
+        value = node.meta.get("val")
+        scalar = not isinstance(value, torch.Tensor)
+        memo[node] = scalar and all(not u.users or _only_checks(u, memo) for u in node.users)
+    return memo[node]

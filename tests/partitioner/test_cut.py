@@ -76,6 +76,45 @@ def test_a_model_written_here_with_aten_embedding_is_cut_at_the_lookup() -> None
         torch.testing.assert_close(_run_split(split, _named(x)), model(*x), rtol=0, atol=1e-5)
 
 
+class MaskedBagsModel(nn.Module):
+    """Not from the zoo: per-table ids picked by a boolean mask (data-dependent sizes, so
+    torch.export adds runtime asserts on the host tensors' lengths), mean-pooled bags."""
+
+    def __init__(self, rows: tuple[int, ...] = (30, 10, 50), dim: int = 4, dense: int = 5) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(r, dim, mode="mean") for r in rows)
+        self.mlp = nn.Sequential(nn.Linear(dense + len(rows) * dim, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense_features, sparse_lengths, sparse_indices):
+        n, t = sparse_lengths.shape
+        table_of_id = torch.repeat_interleave(torch.arange(t).repeat(n), sparse_lengths.reshape(-1).long())
+        pooled = []
+        for k, bag in enumerate(self.bags):
+            lengths = sparse_lengths[:, k].long()
+            pooled.append(bag(sparse_indices[table_of_id == k], torch.cumsum(lengths, 0) - lengths))
+        return torch.sigmoid(self.mlp(torch.cat([dense_features, *pooled], dim=1)))
+
+
+def _masked_inputs(items: int):
+    g = torch.Generator().manual_seed(items)
+    lengths = torch.randint(1, 4, (items, 3), generator=g, dtype=torch.int32)
+    ids = torch.cat([torch.randint(0, (30, 10, 50)[k], (int(lengths[i, k]),), generator=g)
+                     for i in range(items) for k in range(3)])
+    return torch.randn(items, 5, generator=g), lengths, ids
+
+
+def test_shape_checks_on_host_tensors_stay_on_the_host() -> None:
+    """The dense part gets the pooled embeddings, never the ids only to assert their length."""
+    model = MaskedBagsModel().eval()
+    gm, labels, split = _split(model, _masked_inputs(4))
+    asserts = [n for n in gm.graph.nodes if "assert" in str(n.target)]
+    assert asserts, "expected torch.export runtime asserts in this graph"
+    assert INDICES not in split.dense_inputs and LENGTHS not in split.dense_inputs, split.dense_inputs
+    for items in (1, 7, 30):
+        x = _masked_inputs(items)
+        torch.testing.assert_close(_run_split(split, _named(x)), model(*x), rtol=0, atol=1e-5)
+
+
 def test_every_node_is_in_exactly_one_partition_and_edges_run_host_to_dense() -> None:
     model = models.build("rm2", max_rows=50)
     gm, labels, split = _split(model, models.example_inputs(model.config, 4))
