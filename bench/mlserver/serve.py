@@ -16,9 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import models
-
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # NOTE: .venv-mlserver does not install sixfold; the zoo is read from the checkout
+
+import models  # noqa: E402
 
 
 def main() -> int:
