@@ -100,13 +100,17 @@ def print_sweep(report: Report, console: Console) -> None:
     slo = report.slo or {}
     table = Table(title=Text(f"find-max-qps  {report.target.get('model', '')} @ {report.target.get('url', '')}  "
                              f"(p99 <= {slo.get('p99_ms', 0):g} ms)"), header_style="bold")
-    for name in ("step", "phase", "qps", "achieved", "p50 ms", "p99 ms", "errors", "result"):
+    for name in ("step", "phase", "qps", "achieved", "sent", "p50 ms", "p99 ms", "errors", "result"):
         table.add_column(name, justify="left" if name in ("phase", "result") else "right")
     for k, row in enumerate(report.sweep or []):
-        table.add_row(str(k + 1), row["phase"], f"{row['qps']:,.1f}", _fmt(row["achieved_qps"]),
+        table.add_row(str(k + 1), row["phase"], f"{row['qps']:,.1f}", _fmt(row["achieved_qps"]), str(row["sent"]),
                       _fmt(row["p50_ms"]), _fmt(row["p99_ms"]), str(row["errors"]),
                       Text("pass", style="green") if row["pass"] else Text("FAIL", style="red"))
     console.print(table)
+    few = [k + 1 for k, row in enumerate(report.sweep or []) if row["sent"] < 100]
+    if few:  # NOTE: with under 100 samples, "p99" is the slowest request or close to it
+        console.print(f"steps {', '.join(map(str, few))} sent under 100 requests: their p99 is about their max; "
+                      "a longer --step-duration gives a steadier answer", markup=False, highlight=False)
     best = report.max_qps_under_slo
     console.print(Text(f"max QPS with p99 <= {slo.get('p99_ms', 0):g} ms: "
                        + (f"{best:,.1f}" if best is not None else f"none (even {slo.get('floor_qps', slo.get('min_qps', 0)):g} q/s fails)"),

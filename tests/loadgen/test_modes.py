@@ -125,6 +125,7 @@ def test_cli_find_max_qps_writes_sweep_and_plots(fake_server, tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "find-max-qps" in out and "max QPS with p99 <= 40 ms" in out and "step 1 (sweep)" in out
+    assert "sent under 100 requests" in out  # 0.5 s steps at 30-60 q/s: the table says p99 is about the max
 
 
 def test_cli_closed_loop_record_export_and_prefix_plots(fake_server, tmp_path):
