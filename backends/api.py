@@ -60,6 +60,10 @@ class PartitionArtifact:
 class Executable(ABC):
     """A partition loaded on one device. Subclasses implement ``run``; the rest is defaulted."""
 
+    thread_safe: ClassVar[bool] = False
+    """Whether ``run`` may be called from several threads at once (the server may then run a
+    cheap batch on its event loop while another batch runs on the worker thread)."""
+
     def __init__(self, artifact: PartitionArtifact, device: DeviceSpec) -> None:
         self.artifact = artifact
         self.device = device

@@ -39,6 +39,8 @@ def _ort() -> Any:
 class OnnxRuntimeExecutable(Executable):
     """An ONNX partition in its own InferenceSession; ``run`` is thread-safe (onnxruntime's is)."""
 
+    thread_safe = True
+
     def __init__(self, artifact: PartitionArtifact, device: DeviceSpec, session: Any) -> None:
         super().__init__(artifact, device)
         self._session: Any | None = session

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 class TorchExecutable(Executable):
     """A torch module on one device; ``run`` may be called from several threads."""
 
+    thread_safe = True
+
     def __init__(self, artifact: PartitionArtifact, device: DeviceSpec, module: Any, torch_device: str) -> None:
         super().__init__(artifact, device)
         self.module: Any | None = module

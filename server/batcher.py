@@ -254,6 +254,8 @@ class DynamicBatcher:
         self._loop_task: asyncio.Task | None = None
         self._inflight: asyncio.Semaphore | None = None
         self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_deadline: float | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
 
@@ -296,9 +298,14 @@ class DynamicBatcher:
             item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
         level.waiting.append(item)
         level.live += 1
-        future.add_done_callback(lambda _: self._left_queue(item))
         self._wake()
-        return await future, item.info
+        # NOTE: a try, not a done-callback on the future: one loop callback fewer per request.
+        try:
+            outputs = await future
+        except BaseException:  # timed out, failed, or cancelled (the client went away)
+            self._left_queue(item)
+            raise
+        return outputs, item.info
 
     def _left_queue(self, item: _Pending) -> None:
         """A queued request failed or its client went away: it no longer holds a queue slot."""
@@ -350,6 +357,7 @@ class DynamicBatcher:
         return cut
 
     def _take(self, batch: list[_Pending]) -> list[_Pending]:
+        self._disarm()
         for item in batch:
             item.taken = True
             self._levels[item.level].live -= 1
@@ -362,24 +370,45 @@ class DynamicBatcher:
         delay = self.config.max_queue_delay_microseconds / 1e6
         while True:
             chosen, full = self._candidates()
-            timeout: float | None = None
+            deadline = timeout = None
             if chosen:
                 if full:
                     return self._take(chosen)
                 cut = self._preferred_cut(chosen)
                 if cut:
                     return self._take(chosen[:cut])
-                timeout = min(p.enqueued for p in chosen) + delay - self._clock()
+                deadline = min(p.enqueued for p in chosen) + delay
+                timeout = deadline - self._clock()
                 if timeout <= 0:
                     return self._take(chosen)
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout, self._wake) if timeout is not None else None
+            self._arm_timer(loop, deadline, timeout)
             try:
                 await waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
+
+    def _arm_timer(self, loop: asyncio.AbstractEventLoop, deadline: float | None, timeout: float | None) -> None:
+        """Wake the batching loop at ``deadline`` (batcher clock), ``timeout`` seconds from now (None: never).
+
+        NOTE: every arrival wakes the loop while the oldest request's deadline stays put, so
+        a pending timer for the same deadline is kept (one timer per batch, not per arrival).
+        """
+        if self._timer is not None:
+            if deadline == self._timer_deadline:
+                return
+            self._disarm()
+        if deadline is not None:
+            self._timer, self._timer_deadline = loop.call_later(timeout, self._timer_fired), deadline
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timer_fired(self) -> None:
+        self._timer = None
+        self._wake()
 
     async def _batching_loop(self) -> None:
         assert self._inflight is not None
@@ -407,13 +436,15 @@ class DynamicBatcher:
                 if array.shape[0] != rows:
                     raise InternalError(f"model did not preserve batch size: output '{name}' has "
                                         f"{array.shape[0]} rows for a batch of {rows}")
-            offsets = np.cumsum([0] + [p.rows for p in batch])
-            for p, start, end in zip(batch, offsets[:-1], offsets[1:]):
+            start = 0
+            for p in batch:
+                end = start + p.rows
                 p.info.rows, p.info.requests = rows, len(batch)
                 p.info.queue_s = started - p.enqueued
-                p.info.timings = dict(info.timings)
+                p.info.timings = info.timings  # shared: the batch's, read only from here on
                 if not p.future.done():
                     p.future.set_result({name: a[start:end] for name, a in outputs.items()})
+                start = end
         except Exception as exc:  # a failed batch fails every request in it
             error = exc if isinstance(exc, ServingError) else InternalError(f"batch failed: {exc}")
             if not isinstance(exc, ServingError):
@@ -437,6 +468,7 @@ class DynamicBatcher:
             await self._loop_task
         except asyncio.CancelledError:
             pass
+        self._disarm()
         for level in self._levels.values():
             for p in list(level.in_order()):
                 if not p.future.done():

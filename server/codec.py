@@ -6,6 +6,7 @@ InvalidInput that names the input and quotes the numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -40,14 +41,33 @@ def datatype_of(array: np.ndarray) -> str:
 
 
 def _shape(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in shape):
+    shape = tuple(tensor.shape)
+    if shape and min(shape) < 0:
         raise InvalidInput(f"input '{tensor.name}': shape {list(shape)} has a negative dimension")
     return shape
 
 
+def _dtype(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> np.dtype:
+    dtype = DTYPES.get(tensor.datatype)
+    if dtype is None:
+        raise InvalidInput(f"input '{tensor.name}': unsupported datatype '{tensor.datatype}'; "
+                           f"supported: {', '.join(DTYPES)}")
+    return dtype
+
+
+def _from_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor, dtype: np.dtype,
+                   shape: tuple[int, ...], count: int) -> np.ndarray:
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    values = getattr(tensor.contents, field) if field else ()
+    if len(values) != count:
+        raise InvalidInput(f"input '{tensor.name}': {len(values)} values in contents.{field or '?'} but "
+                           f"shape {list(shape)} needs {count}")
+    return np.asarray(values, dtype=dtype).reshape(shape)
+
+
 def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
     """The request's input tensors by name, from raw_input_contents or typed contents."""
+    # NOTE: runs on the event loop for every request: math.prod, not np.prod (3 us a call).
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
@@ -57,27 +77,16 @@ def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarra
         name = tensor.name
         if name in arrays:
             raise InvalidInput(f"input '{name}' appears twice")
-        dtype = DTYPES.get(tensor.datatype)
-        if dtype is None:
-            raise InvalidInput(f"input '{name}': unsupported datatype '{tensor.datatype}'; "
-                               f"supported: {', '.join(DTYPES)}")
-        shape = _shape(tensor)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if raw:
-            data = raw[i]
-            expected = count * dtype.itemsize
-            if len(data) != expected:
-                raise InvalidInput(f"input '{name}': raw contents have {len(data)} bytes but shape "
-                                   f"{list(shape)} of {tensor.datatype} needs {expected}")
-            array = np.frombuffer(data, dtype=dtype).reshape(shape)
-        else:
-            field = _CONTENTS_FIELD.get(tensor.datatype)
-            values = getattr(tensor.contents, field) if field else ()
-            if len(values) != count:
-                raise InvalidInput(f"input '{name}': {len(values)} values in contents.{field or '?'} but "
-                                   f"shape {list(shape)} needs {count}")
-            array = np.asarray(values, dtype=dtype).reshape(shape)
-        arrays[name] = array
+        dtype, shape = _dtype(tensor), _shape(tensor)
+        count = math.prod(shape)
+        if not raw:
+            arrays[name] = _from_contents(tensor, dtype, shape, count)
+            continue
+        data = raw[i]
+        if len(data) != count * dtype.itemsize:
+            raise InvalidInput(f"input '{name}': raw contents have {len(data)} bytes but shape "
+                               f"{list(shape)} of {tensor.datatype} needs {count * dtype.itemsize}")
+        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
     return arrays
 
 

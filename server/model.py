@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from partitioner.plan import PartitionPlan
 
 from .batcher import BatchInfo, DynamicBatcher
 from .errors import InvalidInput
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics, ServerMetrics
 from .runtime import PlanRuntime
 from .stats import ModelStats
 from .validation import InputSpec, validate_request
@@ -32,38 +33,44 @@ class ServedModel:
     parameters: dict[str, str] = field(default_factory=dict)
     """Extra facts published in ModelConfig.parameters (table rows, pooling) for load generators."""
 
-    @property
+    # NOTE: cached: the plan does not change once served, and these are read on every request.
+    @cached_property
     def input_specs(self) -> list[InputSpec]:
         return [InputSpec(t.name, t.datatype, t.shape) for t in self.plan.inputs]
 
-    @property
+    @cached_property
     def output_names(self) -> list[str]:
         return [t.name for t in self.plan.outputs]
 
-    @property
+    @cached_property
     def table_rows(self) -> list[int] | None:
         return self.plan.tables.get("rows")
+
+    @cached_property
+    def _metrics(self) -> ModelMetrics:
+        return self.metrics.for_model(self.name, self.version)
 
     async def run_batch(self, inputs: dict[str, np.ndarray], info: BatchInfo) -> dict[str, np.ndarray]:
         """What the batcher calls: one batch through the plan, with per-stage metrics."""
         outputs = await self.runtime.run(inputs, info)
         self.stats.record_batch()
-        m, name = self.metrics, self.name
-        m.executions.labels(name).inc()
-        m.nv_exec.labels(name, self.version).inc()
-        m.batch_rows.labels(name).observe(info.rows)
-        m.host_seconds.labels(name).observe(info.timings.get("host_s", 0.0))
-        m.card_seconds.labels(name).observe(info.timings.get("card_s", 0.0))
+        m = self._metrics
+        m.executions.inc()
+        m.nv_exec.inc()
+        m.batch_rows.observe(info.rows)
+        m.host_seconds.observe(info.timings.get("host_s", 0.0))
+        m.card_seconds.observe(info.timings.get("card_s", 0.0))
         card = int(info.timings.get("card", 0))
-        m.host_dense_max_rows.labels(name).set(self.runtime.host_dense_max_rows)
+        m.host_dense_max_rows.set(self.runtime.host_dense_max_rows)
         if card < 0:  # the dense part ran on the host (small batch): no card to report
-            m.host_dense_batches.labels(name).inc()
+            m.host_dense_batches.inc()
             return outputs
         executable = self.runtime.cards[card]
-        m.card_outstanding.labels(name, f"card{card}").set(self.runtime.router.loads[card].outstanding_rows)
+        outstanding, lag = m.card(card)
+        outstanding.set(self.runtime.router.loads[card].outstanding_rows)
         stats = getattr(executable, "stats", None)
         if callable(stats):  # a simulated card says when the host could not keep up with its model
-            m.sim_lag.labels(name, f"card{card}").set(stats().total_lag_s)
+            lag.set(stats().total_lag_s)
         return outputs
 
     async def infer(self, inputs: dict[str, np.ndarray], requested: list[str],
@@ -77,7 +84,7 @@ class ServedModel:
         t0 = time.perf_counter()
         try:
             rows = validate_request(inputs, self.input_specs, self.table_rows)
-            unknown = sorted(set(requested) - set(self.output_names))
+            unknown = sorted(set(requested) - set(self.output_names)) if requested else ()
             if unknown:
                 raise InvalidInput(f"unknown output(s) {unknown}; the model has {self.output_names}")
             if rows == 0:
@@ -87,13 +94,13 @@ class ServedModel:
                 outputs, info = await self.batcher.submit(inputs, rows, timeout_s, priority)
         except Exception as exc:
             self.stats.record_failure(time.perf_counter() - t0)
-            self.metrics.record_failure(self.name, self.version, getattr(exc, "reason", "internal"))
+            self._metrics.record_failure(getattr(exc, "reason", "internal"))
             raise
         total = time.perf_counter() - t0
         host = info.timings.get("host_s", 0.0)
         card = info.timings.get("card_s", 0.0)
         self.stats.record_success(total, info.queue_s, host, card, max(0.0, total - info.queue_s - host - card), rows)
-        self.metrics.record_success(self.name, self.version, rows, total, info.queue_s, host, card)
+        self._metrics.record_success(rows, total, info.queue_s, host, card)
         wanted = requested or self.output_names
         return {n: outputs[n] for n in wanted}
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,11 +28,12 @@ from .batcher import BatchInfo
 from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
-__all__ = ["PlanRuntime", "HostDenseTuner"]
+__all__ = ["PlanRuntime", "HostDenseTuner", "StageRunner"]
 
 log = logging.getLogger(__name__)
 
 ReloadCard = Callable[[int], Executable]
+T = TypeVar("T")
 
 
 @dataclass
@@ -112,6 +115,113 @@ class HostDenseTuner:
                 "host_ms": table(self._host), "card_ms": table(self._card)}
 
 
+async def _within(awaitable: Awaitable[T], seconds: float) -> T:
+    """``await`` with a time limit (raises TimeoutError).
+
+    NOTE: ``asyncio.timeout`` (3.11+) arms one timer on the current task; ``wait_for``
+    wraps the awaitable in a new task, per card call.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)  # pragma: no cover - Python 3.10
+
+
+def _timed_run(executable: Executable, inputs: Arrays) -> tuple[Arrays, float]:
+    """On the worker: the outputs and the CPU time this thread spent (GIL waits excluded)."""
+    t0 = time.thread_time()
+    outputs = executable.run(inputs)
+    return outputs, time.thread_time() - t0
+
+
+class StageRunner:
+    """Runs one host-side executable's batches inline on the event loop when that is cheap, else on its worker.
+
+    A hop to the worker thread costs the loop a submit, a wake-up and a callback, and the
+    worker then trades the GIL with the busy loop at every op (each handoff a futex wake, and
+    a wait of up to the interpreter's 5 ms switch interval): for a stage that holds the GIL
+    for well under a millisecond anyway (a small torch-fx host graph, a small dense MLP) that
+    is most of its latency and costs the loop more than running it. So run times are kept per rows bucket (powers of two, as
+    ``HostDenseTuner``): a bucket whose CPU time on the worker is at most ``probe_factor`` x
+    ``max_inline_s`` tries inline runs, and keeps running inline while their wall time (what
+    the loop pays; an EWMA) stays at most ``max_inline_s``. When it goes over (the stage
+    blocks on I/O or a device, or grew), the bucket goes back to the worker for a number of
+    batches that doubles at each failed try (up to 4096), then tries again.
+
+    Only executables that keep the default ``Executable.infer`` (``run`` on their own worker)
+    run inline, and, unless they are ``thread_safe``, only while none of their batches is on
+    the worker (one batch at a time, as the Executable contract says).
+    """
+
+    def __init__(self, executable: Executable, max_inline_s: float, *, probe_factor: float = 3.0,
+                 alpha: float = 0.2) -> None:
+        self.executable = executable
+        self.max_inline_s = max_inline_s
+        self.probe_s = probe_factor * max_inline_s
+        self.alpha = alpha
+        self.inlinable = max_inline_s > 0 and type(executable).infer is Executable.infer
+        self._worker_cpu: dict[int, _Ewma] = {}
+        self._inline_wall: dict[int, _Ewma] = {}
+        self._hold: dict[int, tuple[int, int]] = {}  # bucket -> (batches left on the worker, next hold)
+        self._on_worker = 0
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.executable.input_names
+
+    def runs_inline(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` rows would run on the event loop now."""
+        return self.inlinable and self._decide(HostDenseTuner.bucket(rows), consume=False)
+
+    def _decide(self, bucket: int, consume: bool = True) -> bool:
+        # NOTE: a thread-safe stage need not wait out its worker: one slow batch there would
+        # otherwise send every batch behind it to the worker too.
+        if self._on_worker and not self.executable.thread_safe:
+            return False
+        inline = self._inline_wall.get(bucket)
+        if inline is not None:
+            return True  # over the limit it was dropped in _record_inline
+        left, hold = self._hold.get(bucket, (0, 1))
+        if left:
+            if consume:
+                self._hold[bucket] = (left - 1, hold)
+            return False
+        worker = self._worker_cpu.get(bucket)
+        return worker is not None and worker.value <= self.probe_s
+
+    async def infer(self, inputs: Arrays, rows: int) -> Arrays:
+        if not self.inlinable:
+            return await self.executable.infer(inputs)
+        bucket = HostDenseTuner.bucket(rows)
+        if self._decide(bucket):
+            t0 = time.perf_counter()
+            outputs = self.executable.run(inputs)
+            self._record_inline(bucket, time.perf_counter() - t0)
+            return outputs
+        self._on_worker += 1
+        try:
+            loop = asyncio.get_running_loop()
+            outputs, cpu_s = await loop.run_in_executor(self.executable._worker(), _timed_run, self.executable, inputs)
+        finally:
+            self._on_worker -= 1
+        self._worker_cpu.setdefault(bucket, _Ewma()).add(cpu_s, self.alpha)
+        return outputs
+
+    def _record_inline(self, bucket: int, seconds: float) -> None:
+        inline = self._inline_wall.setdefault(bucket, _Ewma())
+        first = inline.count == 0
+        inline.add(seconds, self.alpha)
+        if inline.value <= self.max_inline_s:
+            if first:
+                self._hold.pop(bucket, None)  # a try that worked: start the back-off afresh
+            return
+        del self._inline_wall[bucket]
+        _, hold = self._hold.get(bucket, (0, 1))
+        self._hold[bucket] = (hold, min(2 * hold, 4096))
+        log.debug("%s: inline runs of bucket %d take %.3f ms; the next %d batches of that size run on its worker",
+                  self.executable.artifact.name, bucket, inline.value * 1e3, hold)
+
+
 class PlanRuntime:
     """Host executable + one dense executable per card, joined by the router.
 
@@ -121,15 +231,17 @@ class PlanRuntime:
     CPU (e.g. the dense ONNX on onnxruntime with the host spec); batches of at
     most ``host_dense_max_rows`` rows run there (-1: tuned from measured
     latencies up to ``host_dense_auto_limit`` rows; 0: never). If it fails, the
-    batch goes to a card.
+    batch goes to a card. Host and host-dense batches whose measured run time is at most
+    ``max_inline_s`` run on the event loop itself (``StageRunner``; 0: never).
     """
 
     def __init__(self, host: Executable, cards: Sequence[Executable], *, reload_card: ReloadCard | None = None,
                  card_timeout_s: float = 30.0, max_card_rows: int | None = None,
                  host_dense: Executable | None = None, host_dense_max_rows: int = -1,
                  host_dense_auto_limit: int = 256, host_dense_explore_every: int = 20,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_inline_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.host = host
+        self._host_runner = StageRunner(host, max_inline_s)
         self.cards = list(cards)
         self.router = LeastLoadedRouter(len(self.cards))
         self.reload_card = reload_card
@@ -143,6 +255,7 @@ class PlanRuntime:
             raise ValueError(f"host_dense_max_rows={host_dense_max_rows} needs a host dense executable "
                              "(host_dense); pass one, or -1/0")
         self.host_dense = host_dense
+        self._host_dense_runner = None if host_dense is None else StageRunner(host_dense, max_inline_s)
         self.host_dense_tuner = None if host_dense is None or host_dense_max_rows == 0 else HostDenseTuner(
             host_dense_max_rows, limit=host_dense_auto_limit, explore_every=host_dense_explore_every)
 
@@ -155,7 +268,7 @@ class PlanRuntime:
         rows = next(iter(inputs.values())).shape[0]
         t0 = self._clock()
         try:
-            host_out = await self.host.infer({n: inputs[n] for n in self.host.input_names})
+            host_out = await self._host_runner.infer({n: inputs[n] for n in self.host.input_names}, rows)
         except ServingError:
             raise
         except Exception as exc:
@@ -183,10 +296,11 @@ class PlanRuntime:
 
     async def _host_dense_stage(self, card_inputs: Arrays, rows: int) -> Arrays | None:
         """The dense part on the host CPU; None (the caller uses a card) if it fails."""
-        assert self.host_dense is not None and self.host_dense_tuner is not None
+        runner = self._host_dense_runner
+        assert runner is not None and self.host_dense_tuner is not None
         t0 = self._clock()
         try:
-            outputs = await self.host_dense.infer({n: card_inputs[n] for n in self.host_dense.input_names})
+            outputs = await runner.infer({n: card_inputs[n] for n in runner.input_names}, rows)
         except Exception:  # noqa: BLE001 - the cards can still answer this batch
             log.exception("host dense stage failed on a %d-row batch; running it on a card", rows)
             return None
@@ -226,8 +340,8 @@ class PlanRuntime:
             tried.add(index)
             card = self.cards[index]
             try:
-                outputs = await asyncio.wait_for(card.infer({n: card_inputs[n] for n in card.input_names}),
-                                                 self.card_timeout_s)
+                outputs = await _within(card.infer({n: card_inputs[n] for n in card.input_names}),
+                                        self.card_timeout_s)
                 return index, outputs
             except asyncio.TimeoutError:
                 errors.append(f"card{index} hung (> {self.card_timeout_s:.1f}s)")

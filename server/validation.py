@@ -32,9 +32,7 @@ def _check_shape(spec: InputSpec, array: np.ndarray) -> None:
         raise InvalidInput(f"input '{spec.name}': shape {list(array.shape)} does not match {want}")
 
 
-def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
-                     table_rows: Sequence[int] | None) -> int:
-    """Validate in place; returns the number of items (rows) in the request."""
+def _check_names(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> None:
     known = {s.name for s in specs}
     unknown = sorted(set(inputs) - known)
     if unknown:
@@ -42,6 +40,14 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
     for spec in specs:
         if spec.name not in inputs:
             raise InvalidInput(f"missing input '{spec.name}' ({spec.datatype} {list(spec.shape)})")
+
+
+def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
+                     table_rows: Sequence[int] | None) -> int:
+    """Validate in place; returns the number of items (rows) in the request."""
+    if len(inputs) != len(specs) or any(s.name not in inputs for s in specs):
+        _check_names(inputs, specs)
+    for spec in specs:
         array = inputs[spec.name]
         if array.dtype != DTYPES[spec.datatype]:
             raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {spec.datatype}")
@@ -58,13 +64,14 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
     if total != ids.shape[0]:
         raise InvalidInput(f"input '{LENGTHS}' sums to {total} ids but '{INDICES}' has {ids.shape[0]}")
     if table_rows is not None and ids.size:
-        limits = np.asarray(table_rows, dtype=np.int64)
-        if lengths.shape[1] != len(limits):
-            raise InvalidInput(f"input '{LENGTHS}' has {lengths.shape[1]} tables; the model has {len(limits)}")
-        # NOTE: min and max first (two passes over the ids, no per-id table lookup): with every id
-        # inside the smallest table, which is nearly every request, that settles it.
-        if ids.min() >= 0 and ids.max() < limits.min():
+        if lengths.shape[1] != len(table_rows):
+            raise InvalidInput(f"input '{LENGTHS}' has {lengths.shape[1]} tables; the model has {len(table_rows)}")
+        # NOTE: one pass first, no per-id table lookup: viewed as unsigned, a negative id is huge,
+        # so a maximum inside the smallest table (nearly every request) settles it.
+        unsigned = ids.view(np.dtype(f"u{ids.itemsize}")) if ids.dtype.kind == "i" else ids
+        if unsigned.max() < min(table_rows):
             return rows
+        limits = np.asarray(table_rows, dtype=np.int64)
         table = np.repeat(np.tile(np.arange(len(limits)), rows), lengths.reshape(-1))
         bad = (ids < 0) | (ids >= limits[table])
         if bad.any():
