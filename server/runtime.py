@@ -23,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 
 from backends.api import Arrays, Executable
+from models import DENSE
 
 from .batcher import BatchInfo
 from .errors import InternalError, ServingError, Unavailable
@@ -222,6 +223,17 @@ class StageRunner:
                   self.executable.artifact.name, bucket, inline.value * 1e3, hold)
 
 
+def _batch_items(inputs: Arrays, info: BatchInfo) -> int:
+    """Items (candidates) in a batch: the batcher's count, else ``dense_features``' rows.
+
+    NOTE: never just the first input's length: inputs come in the client's order, and
+    ``sparse_indices`` has one row per id, not per item.
+    """
+    if info.rows:
+        return info.rows
+    return (inputs[DENSE] if DENSE in inputs else next(iter(inputs.values()))).shape[0]
+
+
 class PlanRuntime:
     """Host executable + one dense executable per card, joined by the router.
 
@@ -265,7 +277,7 @@ class PlanRuntime:
         return self.host_dense_tuner.threshold if self.host_dense_tuner is not None else 0
 
     async def run(self, inputs: Arrays, info: BatchInfo) -> Arrays:
-        rows = next(iter(inputs.values())).shape[0]
+        rows = _batch_items(inputs, info)
         t0 = self._clock()
         try:
             host_out = await self._host_runner.infer({n: inputs[n] for n in self.host.input_names}, rows)
