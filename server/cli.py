@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--max-message-mb", type=int, default=1024, help="largest request/response in MiB (default 1024)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
-    p.add_argument("--max-card-batch-rows", type=int, default=None,
-                   help="a card takes at most this many items per batch; a larger query is split across cards")
+    p.add_argument("--max-card-batch-rows", type=int, default=256,
+                   help="a card takes at most this many items per batch; a larger batch is split across cards, "
+                        "which run its parts at once (default 256; 0: never split)")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
@@ -117,7 +118,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 backend=args.backend, card_spec=args.card_spec, host_spec=args.host_spec, metrics=metrics,
                 batching=batching,
                 table_precision=args.table_precision, backend_options=backend_options,
-                max_card_rows=args.max_card_batch_rows, sparse_on_cards=args.sparse_on_cards,
+                max_card_rows=args.max_card_batch_rows or None, sparse_on_cards=args.sparse_on_cards,
                 dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows)
         print_plan(served.plan, console)
         served_models.append(served)
@@ -128,7 +129,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         def load(repo: ModelRepository, name: str, version: str):
             return load_from_repository(repo, name, version, backend=args.backend, metrics=metrics,
                                         batching=batching, backend_options=backend_options,
-                                        max_card_rows=args.max_card_batch_rows,
+                                        max_card_rows=args.max_card_batch_rows or None,
                                         host_dense_max_rows=args.host_dense_max_rows)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
