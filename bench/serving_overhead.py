@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._common import write_section  # noqa: E402
+from server.process import READY_PREFIX, ReadyProcess  # noqa: E402
 
 SECTION = "serving-overhead"
 COMMAND = ".venv/bin/python bench/serving_overhead.py"
@@ -148,7 +148,7 @@ async def _serve_echo(host: str, port: int, metadata, config) -> None:
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_echo_servicer(metadata, config), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    print(f"READY grpc={host}:{bound}", flush=True)
+    print(f"{READY_PREFIX}{host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -169,7 +169,7 @@ def echo_main(host: str, port: int, model_from: str, model: str) -> int:
 # The driver
 
 
-class Child:
+class Child(ReadyProcess):
     """A server command in its own process; ``url`` is set once it prints ``READY grpc=HOST:PORT``.
 
     ``stop()`` (always called, in a finally) sends SIGTERM, then SIGKILL after a few seconds.
@@ -177,43 +177,16 @@ class Child:
 
     def __init__(self, name: str, cmd: list[str], timeout_s: float = 180.0) -> None:
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        self.lines: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def pump() -> None:
-            for line in self.proc.stdout:  # type: ignore[union-attr]
-                self.lines.append(line)
-                if line.startswith("READY grpc="):
-                    self.url = line.split("=", 1)[1].strip()
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        ready.wait(timeout_s)
+        super().__init__(cmd, cwd=ROOT, timeout_s=timeout_s)
         if not self.url:
             self.stop()
             raise RuntimeError(f"{name} did not start:\n" + "".join(self.lines[-30:]))
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system, all threads) the process has used so far."""
         with open(f"/proc/{self.proc.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
 
 
 def children_cpu_s() -> float:
@@ -339,8 +312,8 @@ def format_section(results: dict[int, Result], args: argparse.Namespace, argv: l
         f"CPU columns: CPU time (user + system) over the whole perf_analyzer run divided by the requests "
         f"the server answered in it (server: /proc; perf_analyzer: rusage of the finished child).",
         "",
-        f"| items/query | server | infer/s per run | infer/s (median) | p50 ms | p99 ms | server CPU us/request "
-        f"| perf_analyzer CPU us/request | sixfold / echo (median of per-run ratios) |",
+        "| items/query | server | infer/s per run | infer/s (median) | p50 ms | p99 ms | server CPU us/request "
+        "| perf_analyzer CPU us/request | sixfold / echo (median of per-run ratios) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []

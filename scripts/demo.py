@@ -10,41 +10,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from server.process import ReadyProcess
 
 BIN = Path(sys.executable).parent
 
 
-def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _start_server(args: argparse.Namespace) -> ReadyProcess:
     cmd = [str(BIN / "sixfold-serve"), "--model", args.model, "--max-rows", str(args.max_rows),
            "--cards", str(args.cards), "--grpc-port", "0", "--metrics-port", str(args.metrics_port),
            "--log-level", "WARNING"]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "110"}
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:  # echo the server's output; catch its READY line
-        assert server.stdout is not None
-        for line in server.stdout:
-            if line.startswith("READY grpc="):
-                url.append(line.split("=", 1)[1].strip())
-                ready.set()
-            else:
-                print(f"  [server] {line}", end="", flush=True)
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(args.start_timeout) or not url:
+    server = ReadyProcess(cmd, env=env, timeout_s=args.start_timeout,
+                          echo=lambda line: print(f"  [server] {line}", end="", flush=True))
+    if not server.url:
         server.kill()
         raise SystemExit(f"demo: the server did not become ready within {args.start_timeout:.0f}s")
-    return server, url[0]
+    return server
 
 
 def main() -> int:
@@ -62,7 +49,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    server, url = _start_server(args)
+    server = _start_server(args)
+    url = server.url
     try:
         print(f"\nserver ready at {url} after {time.monotonic() - started:.0f}s; replaying "
               f"{args.duration:.0f}s of Poisson traffic at {args.qps} queries/s ({args.query_size} query sizes)\n",
@@ -85,12 +73,8 @@ def main() -> int:
               f"Report: {report}")
         return 0 if r["requests"]["errors"] == 0 else 1
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        print(f"server stopped (exit {server.returncode}); demo took {time.monotonic() - started:.0f}s")
+        code = server.stop(grace_s=30)
+        print(f"server stopped (exit {code}); demo took {time.monotonic() - started:.0f}s")
 
 
 if __name__ == "__main__":

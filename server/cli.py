@@ -19,6 +19,7 @@ from .core import InferenceCore
 from .errors import ServingError
 from .logs import configure_logging
 from .metrics import ServerMetrics
+from .process import READY_PREFIX
 
 __all__ = ["main"]
 
@@ -151,7 +152,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
                         for m in core.all_versions())
     console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port}; metrics {metrics_at}")
-    console.print(f"READY grpc={args.host}:{port}", highlight=False)
+    console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

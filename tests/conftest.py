@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
+
+from server.process import ReadyProcess
 
 _DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
 
@@ -29,35 +29,10 @@ def triton_inputs(client_module, request: dict[str, np.ndarray]) -> list:
     return inputs
 
 
-class ServeProcess:
+class ServeProcess(ReadyProcess):
     """``sixfold-serve`` as a real process; ``url`` is set once it prints its READY line."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None,
                  timeout: float = 180.0) -> None:
-        serve = Path(sys.executable).parent / "sixfold-serve"
-        self.proc = subprocess.Popen([str(serve), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=cwd)
-        self.lines: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def pump() -> None:
-            for line in self.proc.stdout:  # type: ignore[union-attr]
-                self.lines.append(line)
-                if line.startswith("READY grpc="):
-                    self.url = line.split("=", 1)[1].strip()
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        ready.wait(timeout)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        """Always called by the test that started it (in a finally)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        super().__init__([str(Path(sys.executable).parent / "sixfold-serve"), *args], env=env, cwd=cwd,
+                         timeout_s=timeout)
