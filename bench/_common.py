@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
-__all__ = ["BENCHMARKS", "machine_line", "write_section"]
+__all__ = ["BENCHMARKS", "machine_line", "publish", "write_section"]
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 
@@ -31,3 +32,11 @@ def write_section(section: str, text: str, path: Path = BENCHMARKS) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + block
     path.write_text(new)
+
+
+def publish(section: str, text: str, *, write: bool, path: Path = BENCHMARKS) -> None:
+    """Print a bench's section and, unless ``--no-write`` (``write=False``), put it into BENCHMARKS.md."""
+    print(text)
+    if write:
+        write_section(section, text, path)
+        print(f"wrote the {section} section of {path.name}", file=sys.stderr)

@@ -46,7 +46,7 @@ from backends.calibrate import calibrate_host  # noqa: E402
 from backends.spec import DeviceSpec, load_spec  # noqa: E402
 from models import RequestGenerator  # noqa: E402
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin  # noqa: E402
-from bench._common import write_section  # noqa: E402
+from bench._common import publish  # noqa: E402
 
 SECTION = "estimate-vs-measured"
 COMMAND = ".venv/bin/python bench/estimate_vs_measured.py"
@@ -184,10 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         st.host_exe.close()
         st.dense_exe.close()
     text = format_section(results, specs, argv, time.perf_counter() - t0, args)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-        print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
+    publish(SECTION, text, write=not args.no_write)
     return 0
 
 

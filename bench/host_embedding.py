@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.host_embedding import HostEmbeddingStage  # noqa: E402
 from models.dlrm import TableBatchedEmbedding  # noqa: E402
-from bench._common import write_section  # noqa: E402
+from bench._common import publish  # noqa: E402
 
 SECTION = "host-embedding"
 COMMAND = ".venv/bin/python bench/host_embedding.py"
@@ -179,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Each run times {args.batches} batch(es) of 270 items per variant, variants interleaved; "
             f"figures are medians over {args.runs} runs, ratios are medians of per-run ratios.\n\n"
             f"{table}\n")
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-        print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
+    publish(SECTION, text, write=not args.no_write)
     return 0
 
 

@@ -41,7 +41,7 @@ from partitioner.frontend import export_model  # noqa: E402
 from partitioner.graph_cut import cut_graph  # noqa: E402
 from partitioner.plan import DeviceInfo  # noqa: E402
 from partitioner.sparse_dense import assign_sparse_dense  # noqa: E402
-from bench._common import write_section  # noqa: E402
+from bench._common import publish  # noqa: E402
 
 SECTION = "plan-scale"
 COMMAND = ".venv/bin/python bench/plan_scale.py"
@@ -196,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     times, facts = bench(args.tables, args.runs)
     text = format_section(args.tables, args.runs, times, facts, argv, time.perf_counter() - t0)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-        print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
+    publish(SECTION, text, write=not args.no_write)
     return 0
 
 

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import write_section  # noqa: E402
+from bench._common import publish  # noqa: E402
 from server.process import READY_PREFIX, ReadyProcess  # noqa: E402
 
 SECTION = "serving-overhead"
@@ -364,10 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
         results = bench(args.items, args.runs, args.interval_ms, args.trials, Path(tmp), args.serve_arg)
     text = format_section(results, args, argv, time.perf_counter() - t0)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-        print(f"wrote the {SECTION} section of BENCHMARKS.md", file=sys.stderr)
+    publish(SECTION, text, write=not args.no_write)
     return 0
 
 
