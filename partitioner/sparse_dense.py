@@ -68,6 +68,7 @@ def assign_sparse_dense(graph: fx.Graph) -> dict[fx.Node, str]:
         host.add(node)
         stack.extend(node.all_input_nodes)
     labels: dict[fx.Node, str] = {}
+    checks: dict[fx.Node, bool] = {}  # _only_checks memo, shared across the pass
     for node in graph.nodes:
         if node.op == "output":
             continue
@@ -76,12 +77,9 @@ def assign_sparse_dense(graph: fx.Graph) -> dict[fx.Node, str]:
         elif (node.op == "call_function" and node.target is operator.getitem
               and labels.get(node.args[0]) == HOST):  # type: ignore[arg-type]
             labels[node] = HOST
-        elif not node.users and node.all_input_nodes and all(
-                labels.get(i) == HOST for i in node.all_input_nodes):
-            labels[node] = HOST
-        elif (_only_checks(node, {}) and node.all_input_nodes
-              and all(labels.get(i) == HOST for i in node.all_input_nodes)):
-            labels[node] = HOST
+        elif (node.all_input_nodes and all(labels.get(i) == HOST for i in node.all_input_nodes)
+              and (not node.users or _only_checks(node, checks))):
+            labels[node] = HOST  # a runtime assert, or what only feeds asserts: with its inputs
         else:
             labels[node] = DENSE
     return labels
