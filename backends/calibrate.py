@@ -15,6 +15,9 @@ runtime that executes that kind of op in sixfold:
   (Zipf 1.05 per sub-table, scattered by a hash: the skew of recommendation traffic and of
   ``models.RequestGenerator``). Two widths separate the per-row-byte cost from the per-id
   cost. Uniform ids over the same table are slower (reported in ``measured``, not used);
+- element-wise index ops (``per_index_seconds``): ONNX Runtime's ``Gather`` picking the
+  upper-triangle pairs of a batch of interaction matrices (what an ``index_select`` becomes
+  in a dense partition), a fixed cost per index beyond the bytes it moves;
 - fixed costs: one tiny torch op (``per_op_seconds``) and one call of a one-op ONNX Runtime
   session beyond that op (``per_batch_seconds``).
 
@@ -193,6 +196,48 @@ def _gather(deadline: float, small: bool, copy_bandwidth: float, per_op: float) 
             "gather_table_bytes": float(table_bytes)}
 
 
+INDEX_SHAPE: tuple[int, int] = (256, 33)
+"""(rows, features) of the calibrated pair gather: rows x F*(F-1)/2 indices into [rows, F*F]."""
+
+
+def _ort_index(rows: int, features: int, threads: int) -> tuple[Callable[[], Any], int, int] | None:
+    """A one-node ONNX Runtime ``Gather`` (axis 1) of the upper-triangle pairs, its index count and
+    the bytes it moves (indices + output); None without ORT."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        return None
+    i, j = np.triu_indices(features, 1)
+    pairs = (i * features + j).astype(np.int64)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["z", "pairs"], ["out"], axis=1)], "calibrate_index",
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [rows, features * features])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], [numpy_helper.from_array(pairs, "pairs")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"z": np.random.default_rng(0).random((rows, features * features), dtype=np.float32)}
+    indices = rows * pairs.size
+    return (lambda: session.run(None, feeds)), indices, pairs.nbytes + indices * 4
+
+
+def _index_cost(deadline: float, threads: int, copy_bandwidth: float, per_op: float, per_call: float,
+                small: bool) -> dict[str, float]:
+    """Seconds per index of ONNX Runtime's element gather, priced as the cost model prices an index
+    op: ``per_call + per_op + indices * per_index + moved / memory_bandwidth``."""
+    rows, features = INDEX_SHAPE
+    made = _ort_index(rows // 4 if small else rows, features, threads)
+    if made is None:
+        return {}
+    fn, indices, moved = made
+    fn()
+    (seconds,) = _median_of_rounds([fn], deadline)
+    return {"per_index_seconds": max(0.0, seconds - per_call - per_op - moved / copy_bandwidth) / indices}
+
+
 def _fixed_costs(deadline: float, threads: int) -> dict[str, float]:
     """One tiny torch op, and one call of a one-op ONNX Runtime session beyond it."""
     import torch
@@ -208,7 +253,8 @@ def _fixed_costs(deadline: float, threads: int) -> dict[str, float]:
 
 def measure_host(seconds_budget: float = 10.0, threads: int | None = None) -> dict[str, Any]:
     """Raw measurements (per second / seconds): ``fp32_flops``, ``memory_bandwidth``,
-    ``gather_bandwidth``, ``per_id_seconds``, ``uniform_gather_bandwidth``, ``per_op_seconds``,
+    ``gather_bandwidth``, ``per_id_seconds``, ``uniform_gather_bandwidth``, ``per_index_seconds`` (absent
+    without ONNX Runtime), ``per_op_seconds``,
     ``per_batch_seconds``, ``matmul_curve`` [(product FLOPs, FLOP/s)], ``matmul_runtime``, ``threads``.
 
     Sizes shrink with the budget, so a tiny budget (tests) finishes in about that time.
@@ -239,6 +285,8 @@ def measure_host(seconds_budget: float = 10.0, threads: int | None = None) -> di
             curve, runtime = _matmul_curve(until(0.6), used, small)
             out["matmul_curve"], out["matmul_runtime"] = curve, runtime
             out["fp32_flops"] = max(rate for _, rate in curve)
+            out.update(_index_cost(until(0.65), used, out["memory_bandwidth"], out["per_op_seconds"],
+                                   out["per_batch_seconds"], small))
             out.update(_gather(until(1.0), small, out["memory_bandwidth"], out["per_op_seconds"]))
     finally:
         torch.set_num_threads(previous)
@@ -267,7 +315,7 @@ def calibrate_host(seconds_budget: float = 10.0, *, threads: int | None = None, 
                    efficiency: float | None = None) -> DeviceSpec:
     """This host as a DeviceSpec: measured peak FLOP/s (fp16 and int8 assumed equal: no faster
     host kernels are used), matmul efficiency by product size, streaming and gather bandwidth,
-    per-id, per-op and per-batch costs; physical memory; no link.
+    per-id, per-index, per-op and per-batch costs; physical memory; no link.
 
     ``efficiency`` (the roofline's factor, for costs without an op profile) defaults to the
     measured efficiency of the largest GEMM.
@@ -280,6 +328,7 @@ def calibrate_host(seconds_budget: float = 10.0, *, threads: int | None = None, 
             f"copy {m['memory_bandwidth'] / 1e9:.1f} GB/s, power-law row gather "
             f"{m['gather_bandwidth'] / 1e9:.1f} GB/s + {m['per_id_seconds'] * 1e9:.1f} ns/id "
             f"(uniform ids: {m['uniform_gather_bandwidth'] / 1e9:.1f} GB/s at {GATHER_DIMS[1]} floats/row), "
+            f"element gather {m.get('per_index_seconds', 0.0) * 1e9:.1f} ns/index, "
             f"op {m['per_op_seconds'] * 1e6:.1f} us, call {m['per_batch_seconds'] * 1e6:.1f} us")
     return DeviceSpec(name=name, memory_bytes=_host_memory_bytes(),
                       peak_flops={"fp32": flops, "fp16": flops, "int8": flops},
@@ -287,6 +336,7 @@ def calibrate_host(seconds_budget: float = 10.0, *, threads: int | None = None, 
                       efficiency=efficiency if efficiency is not None else table[-1][1],
                       kind="host", description=desc, matmul_efficiency=table,
                       gather_bandwidth=m["gather_bandwidth"], per_id_seconds=m["per_id_seconds"],
+                      per_index_seconds=m.get("per_index_seconds", 0.0),
                       per_op_seconds=m["per_op_seconds"], per_batch_seconds=m["per_batch_seconds"])
 
 

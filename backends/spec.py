@@ -49,6 +49,11 @@ class DeviceSpec:
     """Bytes/s of table rows read by a random-row gather (embedding lookups); 0: memory_bandwidth."""
     per_id_seconds: float = 0.0
     """Cost of one gathered index beyond its row's bytes (index arithmetic, a cache miss's latency)."""
+    per_index_seconds: float = 0.0
+    """Cost of one index of an element-wise index op (``index_select``/``gather``/``take``: ONNX
+    Runtime's ``Gather`` in a dense partition, e.g. the interaction's upper-triangle pairs) beyond
+    the bytes it moves. Such ops copy a few bytes per index, so this fixed cost is what they cost;
+    0: ``per_id_seconds``."""
     per_op_seconds: float = 0.0
     """Fixed cost of launching one operator (dispatch, kernel launch)."""
     per_batch_seconds: float = 0.0
@@ -72,7 +77,8 @@ class DeviceSpec:
         if any(b[0] <= a[0] for a, b in zip(table, table[1:])):
             raise ValueError(f"spec {self.name}: matmul_efficiency FLOPs must rise strictly, got "
                              f"{[f for f, _ in table]}")
-        for name in ("gather_bandwidth", "per_id_seconds", "per_op_seconds", "per_batch_seconds"):
+        for name in ("gather_bandwidth", "per_id_seconds", "per_index_seconds", "per_op_seconds",
+                     "per_batch_seconds"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"spec {self.name}: {name} must be a finite number >= 0, got {value!r}")
@@ -81,8 +87,8 @@ class DeviceSpec:
     def calibrated(self) -> bool:
         """Whether any op-level figure is set, so op profiles are priced op by op."""
         return bool(self.matmul_efficiency) or any(
-            getattr(self, n) > 0 for n in ("gather_bandwidth", "per_id_seconds", "per_op_seconds",
-                                           "per_batch_seconds"))
+            getattr(self, n) > 0 for n in ("gather_bandwidth", "per_id_seconds", "per_index_seconds",
+                                           "per_op_seconds", "per_batch_seconds"))
 
     def matmul_efficiency_at(self, product_flops: float) -> float:
         """Fraction of peak for a matrix product of ``product_flops`` FLOPs (``efficiency`` without a table)."""
@@ -109,6 +115,10 @@ class DeviceSpec:
         """Time to gather ``ids`` random rows of ``row_bytes`` each (indices and output not included)."""
         bandwidth = self.gather_bandwidth or self.memory_bandwidth
         return ids * (self.per_id_seconds + row_bytes / bandwidth)
+
+    def index_seconds(self, indices: float) -> float:
+        """Fixed cost of ``indices`` indices of an element-wise index op (bytes moved not included)."""
+        return indices * (self.per_index_seconds or self.per_id_seconds)
 
     def flops(self, dtype: str = "fp32") -> float:
         """Achievable FLOP/s for ``dtype`` (falls back to fp32's peak)."""

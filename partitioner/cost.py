@@ -121,6 +121,8 @@ def op_seconds(device: DeviceSpec, op: OpCost, rows: int, dtype: str = "fp32") -
         seconds = max(device.matmul_seconds(flops, product, dtype), moved) if flops > 0 else moved
     elif op.kind == "gather":
         seconds = device.gather_seconds(OpCost.at(op.ids, rows), op.row_bytes) + moved
+    elif op.kind == "index":
+        seconds = device.index_seconds(OpCost.at(op.ids, rows)) + moved
     else:
         seconds = moved
     return device.per_op_seconds + seconds
@@ -211,7 +213,9 @@ def _seen(name: str, args: tuple, inputs: list[torch.Tensor], outputs: list[torc
             row = math.prod(source.shape[dim + 1:]) * source.element_size()
         else:
             ids, row = index.numel(), source.element_size()
-        return _Seen("gather", ids=float(ids), row_bytes=float(row), bytes=_nbytes([index]) + _nbytes(outputs))
+        # Source slices sit in cache (an activation, not a table): the output's bytes and a fixed
+        # cost per index price it, not a random-row gather.
+        return _Seen("index", ids=float(ids), row_bytes=float(row), bytes=_nbytes([index]) + _nbytes(outputs))
     moved = _nbytes(inputs) + _nbytes(outputs)
     if name in _REPEATING and outputs:
         return _Seen("gather", ids=float(outputs[0].numel()), row_bytes=float(outputs[0].element_size()),

@@ -36,6 +36,7 @@ def test_calibrate_writes_the_op_level_fields():
     assert spec.efficiency == pytest.approx(effs[-1])
     assert 1e8 < spec.gather_bandwidth < 1e13
     assert 0 <= spec.per_id_seconds < 1e-6  # ns per id, not microseconds
+    assert 0 <= spec.per_index_seconds < 1e-6  # ONNX Runtime's element Gather: ns per index
     assert 0 < spec.per_op_seconds < 1e-3
     assert 0 <= spec.per_batch_seconds < 1e-2
 
@@ -43,7 +44,8 @@ def test_calibrate_writes_the_op_level_fields():
 def test_measure_host_reports_everything_and_rejects_zero_budget():
     m = measure_host(0.3, threads=1)
     assert {"fp32_flops", "memory_bandwidth", "gather_bandwidth", "per_id_seconds", "uniform_gather_bandwidth",
-            "per_op_seconds", "per_batch_seconds", "matmul_curve", "matmul_runtime", "threads"} <= set(m)
+            "per_index_seconds", "per_op_seconds", "per_batch_seconds", "matmul_curve", "matmul_runtime",
+            "threads"} <= set(m)
     assert m["matmul_runtime"] in ("onnxruntime", "torch")
     assert all(f > 0 and rate > 0 for f, rate in m["matmul_curve"])
     with pytest.raises(ValueError, match="seconds_budget"):
@@ -54,7 +56,7 @@ def test_main_writes_a_loadable_spec_with_the_new_fields(tmp_path, capsys):
     out = tmp_path / "host.json"
     assert main(["--seconds", "0.3", "--threads", "1", "--name", "lab-host", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert {"matmul_efficiency", "gather_bandwidth", "per_id_seconds", "per_op_seconds",
+    assert {"matmul_efficiency", "gather_bandwidth", "per_id_seconds", "per_index_seconds", "per_op_seconds",
             "per_batch_seconds"} <= set(data)
     spec = load_spec(out)
     assert spec.name == "lab-host" and spec.kind == "host" and spec.calibrated

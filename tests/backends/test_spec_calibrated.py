@@ -65,12 +65,19 @@ def test_gather_seconds_is_per_id_plus_row_bytes_over_gather_bandwidth():
     assert device(memory_bandwidth=2e9).gather_seconds(1000, 100) == pytest.approx(1000 * 100 / 2e9)
 
 
+def test_index_seconds_is_per_index_falling_back_to_per_id():
+    assert device(per_id_seconds=1e-8, per_index_seconds=3e-9).index_seconds(1000) == pytest.approx(3e-6)
+    assert device(per_id_seconds=1e-8).index_seconds(1000) == pytest.approx(1e-5)
+    assert device(per_index_seconds=3e-9).calibrated
+
+
 @pytest.mark.parametrize("change, message", [
     ({"matmul_efficiency": [[1e4, 1.5]]}, r"matmul_efficiency entries need FLOPs > 0 and an efficiency in \(0, 1\]"),
     ({"matmul_efficiency": [[0, 0.5]]}, r"matmul_efficiency entries need FLOPs > 0"),
     ({"matmul_efficiency": [[1e6, 0.5], [1e4, 0.6]]}, r"FLOPs must rise strictly, got \[1000000.0, 10000.0\]"),
     ({"gather_bandwidth": -1.0}, "gather_bandwidth must be a finite number >= 0, got -1.0"),
     ({"per_id_seconds": math.inf}, "per_id_seconds must be a finite number >= 0"),
+    ({"per_index_seconds": -1e-9}, "per_index_seconds must be a finite number >= 0"),
     ({"per_op_seconds": "2us"}, "per_op_seconds must be a finite number >= 0, got '2us'"),
     ({"per_batch_seconds": -1e-6}, "per_batch_seconds must be a finite number >= 0"),
 ])

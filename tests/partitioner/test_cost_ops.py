@@ -44,13 +44,13 @@ def test_dense_profile_kinds_flops_products_and_fusion():
     gm = torch.export.export(module, small, dynamic_shapes=({0: dims}, {0: dims})).module()
     ops = op_profile(gm, small, 4, large, 64)
     kinds = sorted(o.kind for o in ops)
-    assert kinds == ["gather", "matmul", "matmul", "memory"], [(o.name, o.kind) for o in ops]  # relu folded
+    assert kinds == ["index", "matmul", "matmul", "memory"], [(o.name, o.kind) for o in ops]  # relu folded
     linear = next(o for o in ops if o.kind == "matmul" and o.products == (1.0, 0.0))
     bmm = next(o for o in ops if o.kind == "matmul" and o.products != (1.0, 0.0))
     assert linear.flops == pytest.approx((0.0, 2 * 16 * 8))
     assert bmm.flops == pytest.approx((0.0, 2 * 4 * 3 * 4)) and bmm.products == pytest.approx((0.0, 1.0))
-    gather = next(o for o in ops if o.kind == "gather")
-    assert gather.ids == pytest.approx((0.0, 3.0)) and gather.row_bytes == 4.0  # 3 pairs per row, one float each
+    pairs = next(o for o in ops if o.kind == "index")
+    assert pairs.ids == pytest.approx((0.0, 3.0)) and pairs.row_bytes == 4.0  # 3 pairs per row, one float each
     # Weights are a fixed read; activations per row: x in [16 floats] + out [8 floats].
     assert linear.bytes == pytest.approx(((16 * 8 + 8) * 4, (16 + 8) * 4))
 
@@ -76,7 +76,7 @@ def test_profile_needs_two_sizes():
 def test_stage_seconds_sums_ops_on_a_calibrated_spec():
     spec = device(flops=1e9, memory_bandwidth=1e9, link_bandwidth=0.0, link_latency_s=0.0,
                   matmul_efficiency=((1e3, 0.25), (1e5, 1.0)), gather_bandwidth=5e8, per_id_seconds=1e-8,
-                  per_op_seconds=1e-6, per_batch_seconds=1e-5)
+                  per_index_seconds=5e-9, per_op_seconds=1e-6, per_batch_seconds=1e-5)
     ops = (
         # GEMM: 100 rows x 1e3 FLOPs = 1e5 FLOPs in one product -> efficiency 1.0 -> 1e-4 s;
         # bytes (1e3 + 100 * 10) / 1e9 = 2e-6 s, below compute.
@@ -87,9 +87,11 @@ def test_stage_seconds_sums_ops_on_a_calibrated_spec():
         OpCost("bag", "gather", ids=(0.0, 2.0), row_bytes=16.0, bytes=(0.0, 40.0)),
         # Memory: 100 x 1e3 B / 1e9 = 1e-4 s.
         OpCost("cat", "memory", bytes=(0.0, 1e3)),
+        # Index: 100 x 3 indices x 5e-9 = 1.5e-6 s (not the gather's per-id 1e-8), plus 100 x 20 B / 1e9 = 2e-6 s.
+        OpCost("pairs", "index", ids=(0.0, 3.0), row_bytes=4.0, bytes=(0.0, 20.0)),
     )
     cost = PartitionCost(param_bytes=0, flops_per_item=2e3, bytes_per_item=0.0, weight_bytes_per_batch=0, ops=ops)
-    expected = 1e-5 + 4 * 1e-6 + 1e-4 + 4e-4 + (8.4e-6 + 4e-6) + 1e-4
+    expected = 1e-5 + 5 * 1e-6 + 1e-4 + 4e-4 + (8.4e-6 + 4e-6) + 1e-4 + (1.5e-6 + 2e-6)
     assert stage_seconds(spec, cost, 100, 0.0, 0.0) == pytest.approx(expected)
     assert op_seconds(spec, ops[1], 100) == pytest.approx(1e-6 + 4e-4)
 
