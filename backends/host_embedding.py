@@ -251,6 +251,8 @@ class HostEmbeddingStage:
             for t, off in zip(group.tables, group.row_offsets):
                 group_of[t], row_offset[t] = g, off
         self._row_offset = torch.from_numpy(row_offset)
+        self._row_offset_np = row_offset
+        self._table_rows_np = np.asarray(self.table_rows, dtype=np.int64)
         self._table_rows = torch.tensor(self.table_rows, dtype=torch.int64)
         self._min_rows = min(self.table_rows)
         # Tables in group-major order: the bag permutation is (group, sample, table-in-group).
@@ -369,9 +371,53 @@ class HostEmbeddingStage:
               else torch.ops.quantized.embedding_bag_4bit_rowwise_offsets)
         return op(group.weight, rows, offsets, False, 0, False, None, None, False)
 
-    def run_numpy(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
-        """``forward`` on numpy arrays (zero-copy views in and out)."""
+    def _pool_small(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
+        """``forward`` for one fp32 group with the index arithmetic in numpy, for small batches.
+
+        NOTE: a served batch of a few items spends most of its ~60 us in a dozen small torch ops
+        (a dispatch each, and each releases and retakes the GIL, which the event loop's other
+        threads then contend for). numpy does the same index arithmetic in a few microseconds
+        and keeps the GIL for arrays this small; the lookup is the same ``embedding_bag`` call,
+        so the sums are the same bit for bit. Checks and messages are ``forward``'s.
+        """
         import torch
+        from torch.nn import functional as F
+
+        lengths, ids = sparse_lengths, sparse_indices
+        if lengths.ndim != 2 or lengths.shape[1] != self.num_tables:
+            raise ValueError(f"sparse_lengths must be [N, {self.num_tables}], got {list(lengths.shape)}")
+        if ids.ndim != 1:
+            raise ValueError(f"sparse_indices must be 1-D, got shape {list(ids.shape)}")
+        flat = lengths.reshape(-1).astype(np.int64)
+        total = ids.shape[0]
+        if flat.size and int(flat.min()) < 0:
+            raise ValueError("sparse_lengths has negative entries")
+        ends = np.cumsum(flat)
+        counted = int(ends[-1]) if flat.size else 0
+        if counted != total:
+            raise ValueError(f"sparse_lengths sum to {counted} but sparse_indices has {total} ids")
+        rows = ids.astype(np.int64)  # a copy: the index arithmetic below writes to it
+        if total and (int(rows.min()) < 0 or int(rows.max()) >= self._min_rows):
+            limits = np.repeat(np.tile(self._table_rows_np, lengths.shape[0]), flat)
+            if ((rows < 0) | (rows >= limits)).any():
+                self._check_ids(torch.from_numpy(rows), torch.from_numpy(flat))  # names the offending id
+        rows += np.repeat(np.tile(self._row_offset_np, lengths.shape[0]), flat)
+        with torch.inference_mode():
+            pooled = F.embedding_bag(torch.from_numpy(rows), self.groups[0].weight,
+                                     torch.from_numpy(ends - flat), mode="sum")
+        return pooled.numpy()
+
+    def run_numpy(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
+        """``forward`` on numpy arrays (zero-copy views in and out).
+
+        A small batch of one fp32 group (at most ``SMALL_BATCH_IDS`` ids) does its index
+        arithmetic in numpy (``_pool_small``): the same result, bit for bit, at a third of the cost.
+        """
+        import torch
+
+        if (len(self.groups) == 1 and self.groups[0].precision == "fp32"
+                and np.shape(sparse_indices)[0] <= SMALL_BATCH_IDS):
+            return self._pool_small(np.asarray(sparse_lengths), np.asarray(sparse_indices))
 
         with torch.inference_mode(), warnings.catch_warnings():
             # NOTE: inputs may be read-only gRPC buffers; nothing here writes to them.
@@ -379,6 +425,10 @@ class HostEmbeddingStage:
             args = torch.from_numpy(np.asarray(sparse_lengths)), torch.from_numpy(np.asarray(sparse_indices))
         with torch.inference_mode():
             return self.forward(*args).numpy()
+
+
+SMALL_BATCH_IDS = 16384
+"""Batches of at most this many ids do their index arithmetic in numpy (``HostEmbeddingStage._pool_small``)."""
 
 
 def _fresh(path: Path, sources: list[Path]) -> bool:

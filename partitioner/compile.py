@@ -297,10 +297,12 @@ def builtin_example(config: models.ModelConfig, seed: int = 0) -> ExampleFn:
 
 
 def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, precision: str) -> None:
-    """Serve the host stage as row-wise ``precision`` tables (fp16/int8/int4) instead of the fp32 graph.
+    """Serve the host stage as ``precision`` tables (fp32, or row-wise fp16/int8/int4) instead of its graph.
 
     Only for a table-batched embedding host stage (the zoo's): the host partition
-    must read just the lengths and ids and produce one pooled tensor.
+    must read just the lengths and ids and produce one pooled tensor. The tables
+    backend (``backends.host_embedding``) runs small batches at a third of the
+    graph's cost, and fp32 tables give the graph's sums bit for bit.
     """
     from backends.host_embedding import PRECISIONS, bytes_per_row
     if precision not in PRECISIONS:
@@ -331,7 +333,9 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
     """Build a zoo model and partition it onto ``cards`` identical cards plus the host.
 
     ``compile=False``: plan only, no ONNX export (see ``partition_model``).
-    ``table_precision`` other than fp32 serves the tables row-wise quantized (fp16/int8/int4).
+    The host stage is served as tables (``backends.host_embedding``, as a repository written
+    by ``sixfold-partition`` serves it), in ``table_precision``: fp32 gives the same sums as
+    the model's graph, bit for bit; fp16/int8/int4 are row-wise quantized.
     """
     card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
     host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
@@ -342,8 +346,7 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
     partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
                                   host=host, tables=tables, batch_rows=batch_rows, strategy=strategy,
                                   compile=compile)
-    if table_precision != "fp32":
-        quantize_tables(partitioned, model, table_precision)
+    quantize_tables(partitioned, model, table_precision)
     return model, partitioned
 
 

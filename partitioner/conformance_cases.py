@@ -40,7 +40,7 @@ class ZooCases:
         def feed(rows: int) -> Arrays:
             request = generator.make(rows)
             with torch.inference_mode():
-                out = host.payload(*[torch.from_numpy(np.ascontiguousarray(request[n])) for n in host.input_names])
+                out = partitioned.split.host(*[torch.from_numpy(np.ascontiguousarray(request[n])) for n in host.input_names])
             env = {**request, **{n: t.numpy().copy() for n, t in zip(host.output_names, out)}}
             return {n: env[n] for n in dense.input_names}
 

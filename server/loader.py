@@ -24,7 +24,7 @@ from .model_config import settings_from_proto
 from .repository import CONFIG_FILE, ModelRepository
 from .runtime import PlanRuntime
 
-__all__ = ["load_partitioned", "load_builtin", "load_from_repository"]
+__all__ = ["load_partitioned", "load_builtin", "load_from_repository", "load_host_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _table_arrays(partitioned: Loadable) -> list[np.ndarray]:
     return host_table_arrays(partitioned)  # type: ignore[arg-type]
 
 
-def _load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executable:
+def load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executable:
     """The sparse stage: on the host backend its artifact's format needs, or split over host + cards."""
     plan = partitioned.plan
     if getattr(plan, "shards", None):
@@ -74,7 +74,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane."""
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
-    host = _load_host_stage(partitioned, host_device)
+    host = load_host_stage(partitioned, host_device)
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     # One lane per card (replicate) or per pipeline replica (stages on several cards).
     cards, reload_lane = load_dense(plan, lambda name: partitioned.artifact_for(name, card_backend), card_backend)

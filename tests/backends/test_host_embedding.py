@@ -97,6 +97,25 @@ def test_fp32_is_bit_identical_to_the_model_module():
         assert torch.equal(stage(*args), module(*args))
 
 
+@pytest.mark.parametrize("n", [1, 9, 200])
+def test_small_batches_take_the_numpy_index_path_bit_for_bit(monkeypatch, n):
+    """Under SMALL_BATCH_IDS the index arithmetic runs in numpy; the sums must not change by a bit."""
+    import backends.host_embedding as he
+
+    tables = make_tables(rows=(50, 7, 1, 30, 400))
+    stage = HostEmbeddingStage(tables)
+    lengths, indices = make_request(stage.table_rows, n=n, seed=n, empty_every=4)
+    calls = []
+    monkeypatch.setattr(stage, "forward", lambda *a: calls.append(a) or HostEmbeddingStage.forward(stage, *a))
+    small = stage.run_numpy(lengths, indices)
+    assert calls == []  # the numpy path
+    monkeypatch.setattr(he, "SMALL_BATCH_IDS", -1)
+    large = stage.run_numpy(lengths, indices)
+    assert len(calls) == 1  # the torch path
+    assert small.dtype == np.float32 and np.array_equal(small, large)
+    np.testing.assert_allclose(small, reference(tables, lengths, indices), atol=1e-6, rtol=0)
+
+
 # ---- quantized -------------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from partitioner.cost import PartitionCost, module_param_bytes
 from partitioner.pipeline import GraphCosts, NodeCost, compute_nodes, node_costs, run_stages, split_stages
 from partitioner.plan import DeviceInfo, PartitionPlan
 from partitioner.strategy import ACTIVATION_HEADROOM, PlanError, _StageModel, choose, pipeline
+from server.loader import load_host_stage
 from server.batcher import BatchInfo
 from server.dense_loader import PipelineExecutable, load_dense
 from server.runtime import PlanRuntime
@@ -173,7 +174,7 @@ async def test_load_dense_runs_each_pipeline_replica_on_simulated_cards(rm2_pipe
 
 async def test_the_plan_runtime_serves_pipeline_lanes_and_restarts_a_failed_one(rm2_pipelined, unsplit) -> None:
     model, partitioned = rm2_pipelined
-    host = get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], load_spec("host-cpu"))
+    host = load_host_stage(partitioned, load_spec("host-cpu"))
     backend = SimCardBackend()
     lanes, reload = load_dense(partitioned.plan, lambda name: partitioned.artifact_for(name, backend), backend)
     runtime = PlanRuntime(host, lanes, reload_card=reload, max_card_rows=16)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from backends import registry
+from server.loader import load_host_stage
 from models import RequestGenerator
 from models.signature import DENSE, INDICES, LENGTHS, SCORES
 from partitioner.accuracy import accuracy_report, reference_artifacts, score_metrics
@@ -38,8 +39,7 @@ def _fresh(partitioned):
 
 def _dense_feed(model, partitioned, rows=128, seed=3):
     request = RequestGenerator.for_config(model.config, seed=seed).make(rows)
-    host = registry.get_backend("torch").load(partitioned.artifacts[HOST_PARTITION],
-                                              partitioned.plan.device("host").spec)
+    host = load_host_stage(partitioned, partitioned.plan.device("host").spec)
     return {**request, **host.run(request)}
 
 

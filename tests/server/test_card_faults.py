@@ -14,6 +14,7 @@ from backends.registry import get_backend
 from backends.simcard import SimCardBackend
 from backends.spec import load_spec
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+from server.loader import load_host_stage
 from server.batcher import BatchInfo
 from server.errors import Unavailable
 from server.runtime import PlanRuntime
@@ -28,7 +29,7 @@ def _runtime(rm1, faults: list[dict], card_timeout_s: float = 5.0, reload_faults
     _, partitioned = rm1
     spec = load_spec("m2-card")
     dense = partitioned.artifacts[DENSE_PARTITION]
-    host = get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], load_spec("host-cpu"))
+    host = load_host_stage(partitioned, load_spec("host-cpu"))
     cards = [SimCardBackend(faults=f).load(dense, dataclasses.replace(spec, name=f"m2/card{i}"))
              for i, f in enumerate(faults)]
     healthy = SimCardBackend(faults=reload_faults or {})

@@ -20,6 +20,7 @@ from backends.registry import get_backend
 from backends.simcard import SimCardBackend
 from backends.spec import load_spec
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+from server.loader import load_host_stage
 from server.batcher import BatchingConfig, BatchInfo, DynamicBatcher
 from server.metrics import ServerMetrics
 from server.model import ServedModel
@@ -41,7 +42,7 @@ def _runtime(rm1, *, slow_factor: float = 1.0, host_dense: Executable | None = N
     _, partitioned = rm1
     spec = load_spec("m2-card")
     dense = partitioned.artifacts[DENSE_PARTITION]
-    host = get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], load_spec("host-cpu"))
+    host = load_host_stage(partitioned, load_spec("host-cpu"))
     backend = SimCardBackend(faults={"slow_factor": slow_factor})
     cards = [backend.load(dense, dataclasses.replace(spec, name=f"m2/card{i}")) for i in range(2)]
     return PlanRuntime(host, cards, host_dense=host_dense or _host_dense(partitioned), **kwargs)
@@ -96,7 +97,7 @@ async def test_zero_turns_it_off_and_a_threshold_needs_an_executable(rm1) -> Non
     assert info.timings["card"] >= 0 and runtime.host_dense_max_rows == 0 and runtime.host_dense_tuner is None
     runtime.close()
     _, partitioned = rm1
-    host = get_backend("torch").load(partitioned.artifacts[HOST_PARTITION], load_spec("host-cpu"))
+    host = load_host_stage(partitioned, load_spec("host-cpu"))
     with pytest.raises(ValueError, match="host_dense_max_rows=8 needs a host dense executable"):
         PlanRuntime(host, [host], host_dense=None, host_dense_max_rows=8)
     with pytest.raises(ValueError, match="-1 \\(auto\\), 0 \\(off\\)"):
