@@ -15,6 +15,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from .core import InferenceCore
 from .metrics import ServerMetrics
+from .runtime import single_threaded_ops_here
 from .servicer import InferenceServicer
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
@@ -62,6 +63,7 @@ class SixfoldServer:
         self._health = HealthServicer()
 
     async def start(self) -> int:
+        single_threaded_ops_here()  # the event loop runs small batches inline (server.runtime.StageRunner)
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         server = self._server = grpc.aio.server(options=options)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from .batcher import BatchInfo
 from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
-__all__ = ["PlanRuntime", "HostDenseTuner", "StageRunner"]
+__all__ = ["PlanRuntime", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,31 @@ async def _within(awaitable: Awaitable[T], seconds: float) -> T:
         async with asyncio.timeout(seconds):
             return await awaitable
     return await asyncio.wait_for(awaitable, seconds)  # pragma: no cover - Python 3.10
+
+
+def single_threaded_ops_here() -> int:
+    """Make torch ops called from this thread (the event loop's) use one intra-op thread; others keep theirs.
+
+    Returns the intra-op thread count other threads keep.
+
+    NOTE: a cheap stage run inline on the loop (``StageRunner``) calls an op or two that fan out
+    to the OpenMP pool even for a few rows (``embedding_bag`` splits its bags over every
+    thread). Between batches that pool's threads go to sleep, so each call waits for one to
+    wake and be scheduled on a busy CPU: measured in the server, a tiny batch's
+    ``embedding_bag`` took ~110 us with two threads against ~17 us with one. Batches big enough
+    to gain from the pool run on their stage's worker thread, which keeps the process default.
+    OpenMP's thread count is per thread, but torch also keeps a process default that a thread
+    reads on its first parallel op: a helper thread puts that back.
+    """
+    import torch
+
+    workers = torch.get_num_threads()  # also settles this thread's own count, so it is not re-read later
+    torch.set_num_threads(1)
+    if workers != 1:
+        helper = threading.Thread(target=torch.set_num_threads, args=(workers,), name="intra-op-default")
+        helper.start()
+        helper.join()
+    return workers
 
 
 def _timed_run(executable: Executable, inputs: Arrays) -> tuple[Arrays, float]:

@@ -83,3 +83,32 @@ async def test_one_batch_at_a_time_unless_the_executable_is_thread_safe() -> Non
         await big
         assert _on_loop(stage) == [False, False, thread_safe]
         stage.close()
+
+
+def test_the_loop_thread_runs_ops_on_one_thread_and_other_threads_keep_the_default():
+    """The event loop's inline stages must not wake the OpenMP pool; worker threads still use it."""
+    import threading
+
+    import torch
+
+    from server.runtime import single_threaded_ops_here
+
+    default = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def loop_thread() -> None:
+        seen["kept"] = single_threaded_ops_here()
+        torch.nn.functional.embedding_bag(torch.arange(6), torch.ones(8, 4), torch.tensor([0, 3]), mode="sum")
+        seen["loop"] = torch.get_num_threads()  # still 1 after a parallel op
+
+        def worker() -> None:
+            seen["worker"] = torch.get_num_threads()
+        w = threading.Thread(target=worker)
+        w.start()
+        w.join()
+
+    t = threading.Thread(target=loop_thread)
+    t.start()
+    t.join()
+    assert seen == {"kept": default, "loop": 1, "worker": default}
+    assert torch.get_num_threads() == default  # nothing leaked into this thread either
