@@ -258,6 +258,9 @@ class DynamicBatcher:
         self._timer_deadline: float | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        self._rows = 0
+        """Rows of the requests waiting, all levels."""
+        self._lazy_wake = not config.preferred_batch_rows and config.priority_levels <= 1
 
     def _ensure_started(self) -> None:
         if self._loop_task is None:
@@ -298,7 +301,12 @@ class DynamicBatcher:
             item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
         level.waiting.append(item)
         level.live += 1
-        self._wake()
+        self._rows += rows
+        # NOTE: while the batch timer runs, an arrival that cannot fill the batch changes nothing
+        # (the oldest request sets the deadline): the loop is not woken to recount the queue,
+        # which saves a wake-up and a walk over the queue per request.
+        if not (self._lazy_wake and self._timer is not None and self._rows < self.config.max_batch_rows):
+            self._wake()
         # NOTE: a try, not a done-callback on the future: one loop callback fewer per request.
         try:
             outputs = await future
@@ -312,6 +320,7 @@ class DynamicBatcher:
         if not item.taken:
             item.taken = True  # a tombstone from now on
             self._levels[item.level].live -= 1
+            self._rows -= item.rows
             if item.timer is not None:
                 item.timer.cancel()
 
@@ -361,6 +370,7 @@ class DynamicBatcher:
         for item in batch:
             item.taken = True
             self._levels[item.level].live -= 1
+            self._rows -= item.rows
             if item.timer is not None:
                 item.timer.cancel()
         return batch

@@ -51,6 +51,30 @@ async def test_batches_never_exceed_max_rows_and_keep_arrival_order() -> None:
     await batcher.close()
 
 
+async def test_late_arrivals_that_fill_the_batch_send_it_before_the_delay() -> None:
+    """Arrivals while the batch timer runs are not recounted one by one (a lazy wake), but the
+    one that fills the batch, or overflows it, must still send it at once."""
+    model = Recorder()
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10, max_queue_delay_microseconds=10_000_000),
+                             max_inflight=1)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    first = asyncio.ensure_future(batcher.submit(_request(4, 1), 4))
+    await asyncio.sleep(0.01)  # the timer is armed for the first request
+    second = asyncio.ensure_future(batcher.submit(_request(3, 2), 3))  # 7 rows: keeps waiting
+    await asyncio.sleep(0.01)
+    assert model.batches == []
+    third = asyncio.ensure_future(batcher.submit(_request(3, 3), 3))  # 10 rows: full
+    await asyncio.wait_for(asyncio.gather(first, second, third), 2.0)
+    fourth = asyncio.ensure_future(batcher.submit(_request(6, 4), 6))
+    await asyncio.sleep(0.01)
+    fifth = asyncio.ensure_future(batcher.submit(_request(6, 5), 6))  # 12 rows: 6 leave, 6 wait
+    await asyncio.sleep(0.05)
+    assert model.batches == [10, 6] and loop.time() - started < 2.0 and not fifth.done()
+    fifth.cancel()
+    await batcher.close(drain=False)
+
+
 async def test_a_query_larger_than_a_batch_runs_alone() -> None:
     model = Recorder()
     batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10), max_inflight=1)
