@@ -77,7 +77,10 @@ def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarra
         name = tensor.name
         if name in arrays:
             raise InvalidInput(f"input '{name}' appears twice")
-        dtype, shape = _dtype(tensor), _shape(tensor)
+        dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)  # _dtype raises, naming the input
+        shape = tuple(tensor.shape)
+        if shape and min(shape) < 0:
+            _shape(tensor)  # raises, naming the input
         count = math.prod(shape)
         if not raw:
             arrays[name] = _from_contents(tensor, dtype, shape, count)

@@ -24,10 +24,19 @@ class InputSpec:
 
     def __init__(self, name: str, datatype: str, shape: Sequence[int]) -> None:
         self.name, self.datatype, self.shape = name, datatype, tuple(shape)
+        self.dtype = DTYPES[datatype]
+        # NOTE: the usual signature is [-1, d, ...]: then a shape matches when its tail does,
+        # one tuple comparison instead of a loop per request.
+        self._tail = self.shape[1:] if self.shape[:1] == (-1,) and -1 not in self.shape[1:] else None
+
+    def matches(self, shape: tuple[int, ...]) -> bool:
+        if self._tail is not None:
+            return len(shape) == len(self.shape) and shape[1:] == self._tail
+        return len(shape) == len(self.shape) and all(w == -1 or w == d for w, d in zip(self.shape, shape))
 
 
 def _check_shape(spec: InputSpec, array: np.ndarray) -> None:
-    if array.ndim != len(spec.shape) or any(w != -1 and w != d for w, d in zip(spec.shape, array.shape)):
+    if not spec.matches(array.shape):
         want = [("N" if d == -1 else d) for d in spec.shape]
         raise InvalidInput(f"input '{spec.name}': shape {list(array.shape)} does not match {want}")
 
@@ -49,9 +58,10 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
         _check_names(inputs, specs)
     for spec in specs:
         array = inputs[spec.name]
-        if array.dtype != DTYPES[spec.datatype]:
+        if array.dtype != spec.dtype:
             raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {spec.datatype}")
-        _check_shape(spec, array)
+        if not spec.matches(array.shape):
+            _check_shape(spec, array)
 
     dense, lengths, ids = inputs[DENSE], inputs[LENGTHS], inputs[INDICES]
     rows = dense.shape[0]
