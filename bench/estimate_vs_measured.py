@@ -3,8 +3,8 @@
 Steps (all in one process, one torch thread and one ONNX Runtime thread, like one card worker):
 
 1. partition each built-in model (tables capped at ``--max-rows``) onto 1 card and load the
-   partitions on the backends the server uses (``server.loader``'s choice: the torch backend for
-   the fp32 host graph, onnxruntime for the dense ONNX);
+   partitions on the backends the server uses (``server.loader.load_host_stage``: the tables
+   backend for the built-ins' host stage; onnxruntime for the dense ONNX);
 2. each round (``--rounds``), for each model: calibrate this host (``backends.calibrate.calibrate_host``,
    what ``sixfold-partition calibrate`` writes; again per model, as this VM's speed drifts) and use
    that spec for the host and, with
@@ -47,12 +47,12 @@ from backends.spec import DeviceSpec, load_spec  # noqa: E402
 from models import RequestGenerator  # noqa: E402
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin  # noqa: E402
 from bench._common import publish  # noqa: E402
+from server.loader import load_host_stage  # noqa: E402
 
 SECTION = "estimate-vs-measured"
 COMMAND = ".venv/bin/python bench/estimate_vs_measured.py"
 MODELS = ("rm1", "rm2", "rm3", "dlrm-mlperf", "dcnv2-mlperf")
 GOAL = 0.25
-_HOST_BACKENDS = {"torch-fx": "torch", "tables": "host-embedding"}  # as server.loader picks them
 
 
 @dataclass
@@ -74,7 +74,7 @@ def load_stages(name: str, spec: DeviceSpec, max_rows: int, batch_rows: int, bat
                                            batch_rows=batch_rows)
     plan = partitioned.plan
     host_art = partitioned.artifacts[HOST_PARTITION]
-    host_exe = registry.get_backend(_HOST_BACKENDS[host_art.format]).load(host_art, spec)
+    host_exe = load_host_stage(partitioned, spec)
     ort = registry.get_backend("onnxruntime", intra_op_threads=1, inter_op_threads=1)
     dense_exe = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), spec)
     gen = RequestGenerator.for_config(model.config, seed=7)

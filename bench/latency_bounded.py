@@ -696,7 +696,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         "Same tensors for every server; MLServer gets them ids first, dense last: its adaptive batching splits "
         "a batched reply by the last input's first dimension, so in loadgen's usual order (ids last) every "
         "reply fails" + (f" (checked here: {'; '.join(ml_notes)})." if ml_notes else ".")
-        + " sixfold gets the usual order (its runtime counts a batch's items from the first input).",
+        + " sixfold gets the usual order (it takes inputs in any order).",
         "",
         format_tables(summary, args),
         "",

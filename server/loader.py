@@ -81,8 +81,13 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     host_dense = None
     if host_dense_max_rows != 0 and plan.dense_stages() == [DENSE_PARTITION] and not getattr(plan, "shards", None):
         # Small batches may run their dense part on the host CPU when that is faster (DeepRecSys).
-        ort = registry.get_backend("onnxruntime")
-        host_dense = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), host_device)
+        try:
+            ort = registry.get_backend("onnxruntime")
+        except registry.BackendNotFound as exc:  # e.g. filtered by SIXFOLD_BACKENDS: an optimisation, not a need
+            log.warning("%s: no dense fallback on the host CPU (%s); every batch goes to a card",
+                        name or plan.model, exc)
+        else:
+            host_dense = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), host_device)
     runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows,
                           host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0)
     inflight = batching.max_inflight_batches or len(cards) + 1

@@ -165,3 +165,33 @@ async def test_the_threshold_is_a_metric(rm1) -> None:
     assert sample("sixfold_host_dense_batches_total", {"model": "rm1"}) == 1
     await served.batcher.close()
     runtime.close()
+
+
+@pytest.fixture
+def _fresh_registry():
+    """Requested before monkeypatch, so this runs after it is undone: the next test sees the real registry."""
+    yield
+    from backends.registry import discover
+    discover(reload=True)
+
+
+async def test_without_onnxruntime_the_model_serves_with_no_host_dense_fallback(_fresh_registry, monkeypatch, caplog):
+    """The fallback is an optimisation: SIXFOLD_BACKENDS without onnxruntime turns it off, loudly."""
+    from backends import registry
+    from server.batcher import BatchingConfig
+    from server.loader import load_builtin
+    from server.metrics import ServerMetrics
+
+    monkeypatch.setenv(registry.BACKENDS_ENV, "host-embedding,simcard")
+    registry.discover(reload=True)
+    served = load_builtin("tiny", max_rows=None, seed=0, cards=1, backend="simcard", card_spec="m2-card",
+                          metrics=ServerMetrics(), batching=BatchingConfig())
+    try:
+        assert served.runtime.host_dense is None and served.runtime.host_dense_max_rows == 0
+        assert "no dense fallback on the host CPU" in caplog.text and "onnxruntime" in caplog.text
+        request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=2).make(3)
+        outputs = await served.infer(request, ["scores"])
+        assert outputs["scores"].shape == (3, 1) and np.isfinite(outputs["scores"]).all()
+    finally:
+        await served.batcher.close()
+        served.runtime.close()
