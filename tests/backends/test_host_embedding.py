@@ -116,6 +116,19 @@ def test_small_batches_take_the_numpy_index_path_bit_for_bit(monkeypatch, n):
     np.testing.assert_allclose(small, reference(tables, lengths, indices), atol=1e-6, rtol=0)
 
 
+def test_per_table_views_of_one_weight_are_used_in_place():
+    """The built-ins hand over per-table views of one fused weight: no second copy of the tables."""
+    weight = np.random.default_rng(2).standard_normal((88, 8)).astype(np.float32)
+    views = [weight[0:50], weight[50:57], weight[57:58], weight[58:88]]
+    stage = HostEmbeddingStage(views)
+    assert np.shares_memory(stage.groups[0].array, weight) and stage.groups[0].array.shape == (88, 8)
+    lengths, indices = make_request(stage.table_rows, n=7, seed=5)
+    np.testing.assert_allclose(stage.run_numpy(lengths, indices), reference(views, lengths, indices), atol=1e-6)
+    # Not adjacent (a gap, or out of order): copied into one buffer as before.
+    for parts in ([weight[0:50], weight[51:58]], [weight[50:57], weight[0:50]]):
+        assert not np.shares_memory(HostEmbeddingStage(parts).groups[0].array, weight)
+
+
 # ---- quantized -------------------------------------------------------------------------------------
 
 
@@ -308,3 +321,19 @@ def test_backend_refusals():
         backend.load(_artifact(make_tables(), precision="bf8"), device(kind="host"))
     with pytest.raises(BackendError, match="unknown option"):
         HostEmbeddingBackend(threads=2)
+    with pytest.raises(BackendError, match="option check_ids must be true or false, got 'no'"):
+        HostEmbeddingBackend(check_ids="no")
+
+
+def test_check_ids_off_skips_the_range_check_for_callers_that_did_it():
+    """The server validates every id before queueing, so its host stage need not check again."""
+    tables = make_tables(rows=(50, 7, 1, 30))
+    lengths = np.array([[1, 1, 1, 1]], np.int32)
+    good = np.array([3, 2, 0, 9], np.int64)
+    checked = HostEmbeddingBackend().load(_artifact(tables), device(kind="host"))
+    trusting = HostEmbeddingBackend(check_ids=False).load(_artifact(tables), device(kind="host"))
+    assert trusting.stage.check_ids is False and checked.stage.check_ids is True
+    for stage in (checked.stage, trusting.stage):
+        np.testing.assert_array_equal(stage.run_numpy(lengths, good), checked.stage.run_numpy(lengths, good))
+    with pytest.raises(IndexError, match="out of range for table 1"):
+        checked.stage.run_numpy(lengths, np.array([3, 7, 0, 9], np.int64))

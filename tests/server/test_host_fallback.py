@@ -188,6 +188,7 @@ async def test_without_onnxruntime_the_model_serves_with_no_host_dense_fallback(
                           metrics=ServerMetrics(), batching=BatchingConfig())
     try:
         assert served.runtime.host_dense is None and served.runtime.host_dense_max_rows == 0
+        assert served.runtime.host.stage.check_ids is False  # the server validated every id before queueing
         assert "no dense fallback on the host CPU" in caplog.text and "onnxruntime" in caplog.text
         request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=2).make(3)
         outputs = await served.infer(request, ["scores"])
