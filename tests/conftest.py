@@ -1,4 +1,4 @@
-"""Shared test helpers: free ports and tritonclient inputs from canonical requests."""
+"""Shared test helpers: free ports, tritonclient inputs from canonical requests, a registry reset."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from server.process import ReadyProcess
 
 _DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
+
+
+@pytest.fixture
+def fresh_registry():
+    """Rediscovers backends after the test. Request it before ``monkeypatch`` so it runs after
+    monkeypatch is undone: the next test sees the real registry, not this test's SIXFOLD_BACKENDS."""
+    yield
+    from backends.registry import discover
+    discover(reload=True)
 
 
 def free_port() -> int:

@@ -32,10 +32,9 @@ ORT = ep("onnxruntime", "backends.onnxruntime_backend:OnnxRuntimeBackend")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
-    """Set up before monkeypatch, so this runs after it is undone: the next test sees the real registry."""
+def _fresh_cache(fresh_registry):
+    """Every test here changes discovery; autouse sets the reset up before monkeypatch."""
     yield
-    discover(reload=True)
 
 
 def test_builtins_come_from_the_installed_distributions_entry_points(monkeypatch):

@@ -167,15 +167,7 @@ async def test_the_threshold_is_a_metric(rm1) -> None:
     runtime.close()
 
 
-@pytest.fixture
-def _fresh_registry():
-    """Requested before monkeypatch, so this runs after it is undone: the next test sees the real registry."""
-    yield
-    from backends.registry import discover
-    discover(reload=True)
-
-
-async def test_without_onnxruntime_the_model_serves_with_no_host_dense_fallback(_fresh_registry, monkeypatch, caplog):
+async def test_without_onnxruntime_the_model_serves_with_no_host_dense_fallback(fresh_registry, monkeypatch, caplog):
     """The fallback is an optimisation: SIXFOLD_BACKENDS without onnxruntime turns it off, loudly."""
     from backends import registry
     from server.batcher import BatchingConfig
