@@ -295,18 +295,11 @@ class HostEmbeddingStage:
         """Sum-pool every (sample, table) bag; returns [N * T, dim] float32 in bag order."""
         import torch
 
-        if sparse_lengths.dim() != 2 or sparse_lengths.shape[1] != self.num_tables:
-            raise ValueError(f"sparse_lengths must be [N, {self.num_tables}], got {list(sparse_lengths.shape)}")
-        if sparse_indices.dim() != 1:
-            raise ValueError(f"sparse_indices must be 1-D, got shape {list(sparse_indices.shape)}")
+        self._check_shapes(tuple(sparse_lengths.shape), tuple(sparse_indices.shape))
         n = sparse_lengths.shape[0]
         lengths = sparse_lengths.reshape(-1).to(torch.int64)
         total = sparse_indices.shape[0]
-        if n and int(lengths.min()) < 0:
-            raise ValueError("sparse_lengths has negative entries")
-        counted = int(lengths.sum()) if n else 0
-        if counted != total:
-            raise ValueError(f"sparse_lengths sum to {counted} but sparse_indices has {total} ids")
+        self._check_counts(int(lengths.min()) if n else 0, int(lengths.sum()) if n else 0, total)
         ids = sparse_indices.to(torch.int64)
         if total and self.check_ids:
             self._check_ids(ids, lengths)
@@ -347,6 +340,19 @@ class HostEmbeddingStage:
                 out.index_copy_(0, perm[bag_lo:bag_lo + count], pooled)
             bag_lo += count
         return out
+
+    def _check_shapes(self, lengths: tuple[int, ...], indices: tuple[int, ...]) -> None:
+        if len(lengths) != 2 or lengths[1] != self.num_tables:
+            raise ValueError(f"sparse_lengths must be [N, {self.num_tables}], got {list(lengths)}")
+        if len(indices) != 1:
+            raise ValueError(f"sparse_indices must be 1-D, got shape {list(indices)}")
+
+    @staticmethod
+    def _check_counts(smallest_length: int, counted: int, total: int) -> None:
+        if smallest_length < 0:
+            raise ValueError("sparse_lengths has negative entries")
+        if counted != total:
+            raise ValueError(f"sparse_lengths sum to {counted} but sparse_indices has {total} ids")
 
     def _check_ids(self, ids: Any, lengths: Any) -> None:
         import torch
@@ -390,18 +396,11 @@ class HostEmbeddingStage:
         import torch
 
         lengths, ids = sparse_lengths, sparse_indices
-        if lengths.ndim != 2 or lengths.shape[1] != self.num_tables:
-            raise ValueError(f"sparse_lengths must be [N, {self.num_tables}], got {list(lengths.shape)}")
-        if ids.ndim != 1:
-            raise ValueError(f"sparse_indices must be 1-D, got shape {list(ids.shape)}")
+        self._check_shapes(lengths.shape, ids.shape)
         flat = lengths.reshape(-1).astype(np.int64)
         total = ids.shape[0]
-        if flat.size and int(flat.min()) < 0:
-            raise ValueError("sparse_lengths has negative entries")
         ends = np.cumsum(flat)
-        counted = int(ends[-1]) if flat.size else 0
-        if counted != total:
-            raise ValueError(f"sparse_lengths sum to {counted} but sparse_indices has {total} ids")
+        self._check_counts(int(flat.min()) if flat.size else 0, int(ends[-1]) if flat.size else 0, total)
         rows = ids.astype(np.int64)  # a copy: the index arithmetic below writes to it
         if total and self.check_ids and (int(rows.min()) < 0 or int(rows.max()) >= self._min_rows):
             limits = np.repeat(np.tile(self._table_rows_np, lengths.shape[0]), flat)
@@ -423,7 +422,7 @@ class HostEmbeddingStage:
         import torch
 
         if (len(self.groups) == 1 and self.groups[0].precision == "fp32"
-                and np.shape(sparse_indices)[0] <= SMALL_BATCH_IDS):
+                and np.ndim(sparse_indices) == 1 and np.shape(sparse_indices)[0] <= SMALL_BATCH_IDS):
             return self._pool_small(np.asarray(sparse_lengths), np.asarray(sparse_indices))
 
         with torch.inference_mode(), warnings.catch_warnings():
@@ -451,10 +450,10 @@ def _adjacent_rows(parts: list[np.ndarray]) -> np.ndarray | None:
             return None
         address += p.nbytes
     rows = sum(p.shape[0] for p in parts)
-    root = first.base if isinstance(first.base, np.ndarray) else None
-    while root is not None and isinstance(root.base, np.ndarray):
+    root = first  # the array that owns the memory: adjacent views of two allocations must not be joined
+    while isinstance(root.base, np.ndarray):
         root = root.base
-    if root is None or root.dtype != np.float32 or not root.flags.c_contiguous:
+    if root.dtype != np.float32 or not root.flags.c_contiguous:
         return None
     flat = root.reshape(-1)
     start = (first.__array_interface__["data"][0] - flat.__array_interface__["data"][0]) // 4

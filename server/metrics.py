@@ -50,13 +50,6 @@ class ServerMetrics:
             bound = self._models[key] = ModelMetrics(self, model, version)
         return bound
 
-    def record_success(self, model: str, version: str, rows: int, total_s: float, queue_s: float,
-                       host_s: float, card_s: float) -> None:
-        self.for_model(model, version).record_success(rows, total_s, queue_s, host_s, card_s)
-
-    def record_failure(self, model: str, version: str, reason: str) -> None:
-        self.for_model(model, version).record_failure(reason)
-
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics over HTTP on ``host:port``."""
         start_http_server(port, addr=host, registry=self.registry)

@@ -35,10 +35,9 @@ class InputSpec:
         return len(shape) == len(self.shape) and all(w == -1 or w == d for w, d in zip(self.shape, shape))
 
 
-def _check_shape(spec: InputSpec, array: np.ndarray) -> None:
-    if not spec.matches(array.shape):
-        want = [("N" if d == -1 else d) for d in spec.shape]
-        raise InvalidInput(f"input '{spec.name}': shape {list(array.shape)} does not match {want}")
+def _shape_mismatch(spec: InputSpec, array: np.ndarray) -> InvalidInput:
+    want = [("N" if d == -1 else d) for d in spec.shape]
+    return InvalidInput(f"input '{spec.name}': shape {list(array.shape)} does not match {want}")
 
 
 def _check_names(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> None:
@@ -61,7 +60,7 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
         if array.dtype != spec.dtype:
             raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {spec.datatype}")
         if not spec.matches(array.shape):
-            _check_shape(spec, array)
+            raise _shape_mismatch(spec, array)
 
     dense, lengths, ids = inputs[DENSE], inputs[LENGTHS], inputs[INDICES]
     rows = dense.shape[0]
