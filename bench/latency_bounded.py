@@ -16,6 +16,10 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
   sixfold-nobatch  the same with ``--max-batch-rows 1 --max-queue-delay-us 0``: every request is its
                    own batch (a query larger than 1 row runs alone, no window); host-dense fallback
                    at its default too, and up to cards + 1 batches in flight as in ``sixfold``
+  ideal            no server, simulated (``loadgen.ideal.ideal_max_qps``): every query at offline's
+                   best items/s, one after another in arrival order, no overhead. Queueing alone
+                   keeps it below offline's q/s under a latency bound: it is the most any server can
+                   reach here, and ``sixfold / ideal`` what sixfold leaves on the table
   mlserver         Seldon MLServer 1.7 (``bench/mlserver/serve.py`` in ``.venv-mlserver``) serving
                    the same torch model (same name, rows and seed) with adaptive batching
                    (``--mlserver-batch-size`` requests, ``--mlserver-batch-time`` s); its runtime
@@ -87,16 +91,20 @@ import models  # noqa: E402
 from bench._common import machine_line, write_section  # noqa: E402
 from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
 from loadgen.transport import DATATYPES, make_client  # noqa: E402
-from models.requests import MLPERF_QUANTILES  # noqa: E402
+from loadgen.ideal import ideal_max_qps  # noqa: E402
+from models.requests import MLPERF_QUANTILES, MLPerfQuerySizes  # noqa: E402
 
 SECTION = "latency-bounded"
 COMMAND = ".venv/bin/python bench/latency_bounded.py"
 MEAN_QUERY_ITEMS = float(np.mean(MLPERF_QUANTILES))  # 270 items
 LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so the p99 query
+IDEAL_QUERIES = 50_000  # ideal_max_qps's default
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
 SERVERS = ("sixfold", "sixfold-nobatch", "mlserver")
-LABEL = {"offline": "offline (in-process torch, best batch)", "sixfold": "sixfold (default batching)",
+LABEL = {"offline": "offline (in-process torch, best batch)",
+         "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
+         "sixfold": "sixfold (default batching)",
          "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching"}
 USUAL_ORDER = ("dense_features", "sparse_lengths", "sparse_indices")  # loadgen's (RequestGenerator.make)
 DENSE_LAST = ("sparse_indices", "sparse_lengths", "dense_features")  # the one MLServer's batching answers
@@ -565,7 +573,12 @@ def _median_entry(entries: list[dict[str, Any]], bound: float) -> dict[str, Any]
 
 
 RATIOS = (("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
-          ("mlserver", "offline"), ("sixfold-nobatch", "offline"))
+          ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"))
+
+
+def ideal_qps(offline: dict[str, Any], bound: float) -> float:
+    """The ideal server's max q/s at ``bound``: offline's best speed for every query, FIFO, no overhead."""
+    return ideal_max_qps(offline["best_items_per_s"], MLPerfQuerySizes(), bound).max_qps
 
 
 def summarize(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
@@ -576,16 +589,24 @@ def summarize(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace
                    "best_batch": sorted({r["offline"]["best_batch"] for r in runs})}
         entries = {name: [r["servers"][name] for r in runs if name in r["servers"]] for name in SERVERS}
         ratios: dict[float, dict[str, Any]] = {}
+        ideal: dict[float, float] = {}
         for bound in args.p99_ms:
             ratios[bound] = {}
+            per_run_ideal = [ideal_qps(r["offline"], bound) for r in runs]
+            ideal[bound] = statistics.median(per_run_ideal)
             for num, den in RATIOS:
                 values = []
-                for r in runs:
+                for r, ideal_run in zip(runs, per_run_ideal):
                     a = _interval(_bound(r["servers"].get(num), bound))
-                    b = ((r["offline"]["qps"],) * 2 if den == "offline"
-                         else _interval(_bound(r["servers"].get(den), bound)))
+                    if den == "offline":
+                        b: tuple[float, float] | None = (r["offline"]["qps"],) * 2
+                    elif den == "ideal":
+                        b = (ideal_run, ideal_run)
+                    else:
+                        b = _interval(_bound(r["servers"].get(den), bound))
                     values.append(_ratio(a, b))
                 ratios[bound][f"{num}/{den}"] = _median_ratio(values)
+        offline["ideal_qps"] = ideal
         first = args.p99_ms[0]
         out[model] = {"offline": offline, "ratios": ratios, "orders": [r["order"] for r in runs],
                       "servers": {n: _median_entry(e, first) for n, e in entries.items() if e}}
@@ -610,6 +631,9 @@ def format_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
         cells = " | ".join(f"{off['max_qps']:.2f} (no latency bound)" for _ in bounds)
         lines.append(f"| {model} | {LABEL['offline']}: {off['items_per_s']:,.0f} items/s at batch "
                      f"{', '.join(map(str, off['best_batch']))} |  | {cells} |  |")
+        cells = " | ".join(f"{off['ideal_qps'][b]:.2f}" for b in bounds)
+        lines.append(f"| {model} | {LABEL['ideal']} | {LARGEST_QUERY / off['items_per_s'] * 1e3:.0f} "
+                     f"(its service time) | {cells} |  |")
         for name in SERVERS:
             e = s["servers"].get(name)
             if e is None:
@@ -632,8 +656,9 @@ def format_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
                     cells.append(f"{_qps(r)} ({len(r['steps'])} steps)")
             lines.append(f"| {model} | {LABEL[name]} | {idle} | {' | '.join(cells)} | {_answers(e)} |")
     lines += ["", "| model | p99 bound | sixfold / no batching | sixfold / MLServer (goal >= 3) "
-              "| sixfold / offline (goal >= 0.7) | MLServer / offline | no batching / offline |",
-              "|---|---|---|---|---|---|---|"]
+              "| sixfold / offline (goal >= 0.7) | sixfold / ideal server | MLServer / offline "
+              "| no batching / offline |",
+              "|---|---|---|---|---|---|---|---|"]
     for model, s in summary.items():
         for b in bounds:
             r = s["ratios"][b]
@@ -707,6 +732,13 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         "",
         f"Goals at p99 <= {first:g} ms: sixfold / MLServer >= 3: {_goal(summary, first, 'sixfold/mlserver', 3.0)}. "
         f"sixfold / offline >= 0.7: {_goal(summary, first, 'sixfold/offline', 0.7)}.",
+        "",
+        f"The ideal server (`loadgen.ideal.ideal_max_qps`, {IDEAL_QUERIES:,} simulated Poisson arrivals of the "
+        "same query mix) runs every query alone at offline's best items/s, back to back: no server on this "
+        "machine does better with a FIFO queue. What it reaches at a bound, as a fraction of offline, is the "
+        "most any server can: " + "; ".join(
+            f"{m} " + ", ".join(f"{s['offline']['ideal_qps'][b] / s['offline']['max_qps']:.2f} at {b:g} ms"
+                                for b in args.p99_ms) for m, s in summary.items()) + ".",
     ]
     return "\n".join(text) + "\n"
 
