@@ -20,6 +20,7 @@ from .errors import ServingError
 from .logs import configure_logging
 from .metrics import ServerMetrics
 from .process import READY_PREFIX
+from .runtime import DEFAULT_MIN_SPLIT_ROWS
 
 __all__ = ["main"]
 
@@ -65,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-card-batch-rows", type=int, default=256,
                    help="a card takes at most this many items per batch; a larger batch is split across cards, "
                         "which run its parts at once (default 256; 0: never split)")
+    p.add_argument("--min-split-rows", type=int, default=DEFAULT_MIN_SPLIT_ROWS,
+                   help="a batch of at least twice this many items is also split over the cards that are idle, "
+                        f"in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; 0: only split "
+                        "batches over --max-card-batch-rows)")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
@@ -120,7 +125,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 batching=batching,
                 table_precision=args.table_precision, backend_options=backend_options,
                 max_card_rows=args.max_card_batch_rows or None, sparse_on_cards=args.sparse_on_cards,
-                dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows)
+                dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows,
+                min_split_rows=args.min_split_rows)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -131,7 +137,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
             return load_from_repository(repo, name, version, backend=args.backend, metrics=metrics,
                                         batching=batching, backend_options=backend_options,
                                         max_card_rows=args.max_card_batch_rows or None,
-                                        host_dense_max_rows=args.host_dense_max_rows)
+                                        host_dense_max_rows=args.host_dense_max_rows,
+                                        min_split_rows=args.min_split_rows)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()

@@ -83,6 +83,7 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.card_spec": str,
     "sixfold.table_precision": _choice("fp32", "fp16", "int8", "int4"),
     "sixfold.max_card_batch_rows": _int(1),
+    "sixfold.min_split_rows": _int(0),
     "sixfold.max_inflight_batches": _int(0),
     "sixfold.host_dense_max_rows": _int(-1),
     "sixfold.max_batch_rows": _int(1),  # what to_model_config writes when it reports max_batch_size 0

@@ -30,11 +30,13 @@ from .batcher import BatchInfo
 from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
-__all__ = ["PlanRuntime", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
+__all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
 
 log = logging.getLogger(__name__)
 
 ReloadCard = Callable[[int], Executable]
+DEFAULT_MIN_SPLIT_ROWS = 64
+"""A batch of at least twice this many rows is split over idle cards (``PlanRuntime``)."""
 T = TypeVar("T")
 
 
@@ -271,10 +273,17 @@ class PlanRuntime:
     latencies up to ``host_dense_auto_limit`` rows; 0: never). If it fails, the
     batch goes to a card. Host and host-dense batches whose measured run time is at most
     ``max_inline_s`` run on the event loop itself (``StageRunner``; 0: never).
+
+    A batch of more than ``max_card_rows`` rows is split across cards. So is a batch of at
+    least 2 x ``min_split_rows`` rows when cards are idle: into as many equal parts as there
+    are idle cards, each of at least ``min_split_rows`` rows (0: split only what a card cannot
+    take). An idle card's time is otherwise lost to the batch's latency; a busy server has few
+    idle cards, so under load batches stay whole.
     """
 
     def __init__(self, host: Executable, cards: Sequence[Executable], *, reload_card: ReloadCard | None = None,
                  card_timeout_s: float = 30.0, max_card_rows: int | None = None,
+                 min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS,
                  host_dense: Executable | None = None, host_dense_max_rows: int = -1,
                  host_dense_auto_limit: int = 256, host_dense_explore_every: int = 20,
                  max_inline_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -287,6 +296,9 @@ class PlanRuntime:
         if max_card_rows is not None and max_card_rows < 1:
             raise ValueError(f"max_card_rows must be >= 1, got {max_card_rows}")
         self.max_card_rows = max_card_rows
+        if min_split_rows < 0:
+            raise ValueError(f"min_split_rows must be >= 0 (0: split only batches over max_card_rows), got {min_split_rows}")
+        self.min_split_rows = min_split_rows
         self._clock = clock
         self._restarts: set[asyncio.Task] = set()
         if host_dense is None and host_dense_max_rows > 0:
@@ -317,15 +329,17 @@ class PlanRuntime:
         outputs = None
         if tuner is not None and tuner.on_host(rows):
             outputs = await self._host_dense_stage(card_inputs, rows)
+        parts = 1 if outputs is not None else self.parts(rows)
         if outputs is not None:
             index = -1  # the host
-        elif self.max_card_rows is None or rows <= self.max_card_rows:
-            t_card = self._clock()
-            index, outputs = await self._card_stage(card_inputs, rows)
-            if tuner is not None:
-                tuner.record(rows, self._clock() - t_card, on_host=False)
         else:
-            index, outputs = await self._split_across_cards(card_inputs, rows)
+            t_card = self._clock()
+            if parts == 1:
+                index, outputs = await self._card_stage(card_inputs, rows)
+            else:
+                index, outputs = await self._split_across_cards(card_inputs, rows, parts)
+            if tuner is not None:  # split or not: what the cards' path gave this batch
+                tuner.record(rows, self._clock() - t_card, on_host=False)
         t2 = self._clock()
         info.timings.update(host_s=t1 - t0, card_s=t2 - t1, card=float(index))
         if index < 0:
@@ -345,11 +359,20 @@ class PlanRuntime:
         self.host_dense_tuner.record(rows, self._clock() - t0, on_host=True)
         return outputs
 
-    async def _split_across_cards(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
-        """A batch larger than a card takes: sub-batches run on several cards at once, then rejoin.
+    def parts(self, rows: int) -> int:
+        """Into how many sub-batches a batch of ``rows`` rows goes now (see the class docstring)."""
+        need = 1 if self.max_card_rows is None else -(-rows // self.max_card_rows)
+        if not self.min_split_rows or rows < 2 * self.min_split_rows:
+            return need
+        idle = sum(1 for load in self.router.loads if load.healthy and not load.outstanding_rows)
+        return max(need, min(idle, rows // self.min_split_rows))
+
+    async def _split_across_cards(self, card_inputs: Arrays, rows: int, parts: int) -> tuple[int, Arrays]:
+        """Sub-batches of (nearly) equal size run on several cards at once, then rejoin in order.
 
         Each card input splits in proportion to its rows per item (1 for dense
         features, T for pooled embeddings laid out [N * T, D]); outputs concatenate.
+        Equal parts, not full ones and a remainder: the batch is done when its largest part is.
         """
         names = self.cards[0].input_names
         per_item = {}
@@ -359,11 +382,11 @@ class PlanRuntime:
                 raise InternalError(f"cannot split card input '{name}' ({length} rows) into items of a "
                                     f"{rows}-item batch")
             per_item[name] = length // rows
-        chunk = self.max_card_rows
-        assert chunk is not None
-        bounds = [(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
-        parts = [{n: card_inputs[n][a * per_item[n]:b * per_item[n]] for n in names} for a, b in bounds]
-        results = await asyncio.gather(*(self._card_stage(part, b - a) for part, (a, b) in zip(parts, bounds)))
+        base, extra = divmod(rows, parts)
+        ends = np.cumsum([base + 1] * extra + [base] * (parts - extra)).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends))
+        pieces = [{n: card_inputs[n][a * per_item[n]:b * per_item[n]] for n in names} for a, b in bounds]
+        results = await asyncio.gather(*(self._card_stage(piece, b - a) for piece, (a, b) in zip(pieces, bounds)))
         outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         return results[0][0], outputs
 

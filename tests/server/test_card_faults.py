@@ -84,29 +84,3 @@ async def test_when_every_card_fails_the_batch_gets_unavailable_not_a_hang(rm1) 
     with pytest.raises(Unavailable, match="failed on two cards"):
         await asyncio.wait_for(runtime.run(_batches(1)[0], BatchInfo()), 10)
     runtime.close()
-
-
-async def test_a_query_larger_than_a_card_is_split_across_cards_and_reassembled(rm1) -> None:
-    runtime = _runtime(rm1, [{}, {}])
-    runtime.max_card_rows = 16
-    gen = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=5)
-    batch = gen.make(50)  # 4 sub-batches of <= 16 items
-    out = await runtime.run(batch, BatchInfo())
-    np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
-    assert [load.batches for load in runtime.router.loads] == [2, 2]  # both cards took a share
-    assert sum(load.rows for load in runtime.router.loads) == 50
-    runtime.close()
-
-
-@pytest.mark.parametrize("counted", [True, False], ids=["batcher-counted", "uncounted"])
-async def test_a_split_query_counts_items_not_ids_whatever_the_input_order(rm1, counted: bool) -> None:
-    """KServe v2 lets a client send sparse_indices first; its length is the ids', not the items'."""
-    runtime = _runtime(rm1, [{}, {}])
-    runtime.max_card_rows = 16
-    gen = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=6)
-    batch = gen.make(40)
-    ids_first = {name: batch[name] for name in ("sparse_indices", "sparse_lengths", "dense_features")}
-    out = await runtime.run(ids_first, BatchInfo(rows=40) if counted else BatchInfo())
-    np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
-    assert sum(load.rows for load in runtime.router.loads) == 40
-    runtime.close()

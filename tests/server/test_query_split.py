@@ -1,0 +1,109 @@
+"""A batch is split across cards when a card cannot take it, or when cards sit idle; the parts rejoin in order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import models
+from backends.simcard import SimCardBackend
+from backends.spec import load_spec
+from partitioner.compile import DENSE_PARTITION, partition_builtin
+from server.batcher import BatchInfo
+from server.loader import load_host_stage
+from server.runtime import PlanRuntime
+
+
+@pytest.fixture(scope="module")
+def rm1():
+    return partition_builtin("rm1", max_rows=300, cards=2)
+
+
+def _runtime(rm1, cards: int, **options) -> PlanRuntime:
+    _, partitioned = rm1
+    spec = load_spec("m2-card")
+    dense = partitioned.artifacts[DENSE_PARTITION]
+    backend = SimCardBackend()
+    lanes = [backend.load(dense, dataclasses.replace(spec, name=f"m2/card{i}")) for i in range(cards)]
+    return PlanRuntime(load_host_stage(partitioned, load_spec("host-cpu")), lanes, host_dense_max_rows=0, **options)
+
+
+def _batch(items: int, seed: int) -> dict[str, np.ndarray]:
+    return models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=seed).make(items)
+
+
+def _expected(rm1, batch) -> np.ndarray:
+    model, _ = rm1
+    with torch.inference_mode():
+        return model(*[torch.from_numpy(batch[k]) for k in ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
+
+
+def _rows_per_card(runtime: PlanRuntime) -> list[int]:
+    return [load.rows for load in runtime.router.loads]
+
+
+async def test_a_query_larger_than_a_card_is_split_in_equal_parts_and_reassembled(rm1) -> None:
+    runtime = _runtime(rm1, 2, max_card_rows=16, min_split_rows=0)
+    batch = _batch(50, seed=5)  # 4 parts of <= 16 items: 13 + 13 + 12 + 12, not 16 + 16 + 16 + 2
+    out = await runtime.run(batch, BatchInfo())
+    np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
+    assert [load.batches for load in runtime.router.loads] == [2, 2]  # both cards took a share
+    assert sorted(_rows_per_card(runtime)) == [25, 25]
+    runtime.close()
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["batcher-counted", "uncounted"])
+async def test_a_split_query_counts_items_not_ids_whatever_the_input_order(rm1, counted: bool) -> None:
+    """KServe v2 lets a client send sparse_indices first; its length is the ids', not the items'."""
+    runtime = _runtime(rm1, 2, max_card_rows=16, min_split_rows=0)
+    batch = _batch(40, seed=6)
+    ids_first = {name: batch[name] for name in ("sparse_indices", "sparse_lengths", "dense_features")}
+    out = await runtime.run(ids_first, BatchInfo(rows=40) if counted else BatchInfo())
+    np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
+    assert sum(_rows_per_card(runtime)) == 40
+    runtime.close()
+
+
+async def test_idle_cards_share_a_batch_a_card_could_take_alone(rm1) -> None:
+    runtime = _runtime(rm1, 4, max_card_rows=256, min_split_rows=16)
+    batch = _batch(50, seed=7)  # 4 idle cards, but parts of >= 16 items: 3 parts
+    info = BatchInfo()
+    out = await runtime.run(batch, info)
+    np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
+    assert sorted(_rows_per_card(runtime)) == [0, 16, 17, 17]
+    assert info.timings["card"] >= 0
+    runtime.close()
+
+
+async def test_without_idle_splitting_a_batch_a_card_can_take_stays_whole(rm1) -> None:
+    runtime = _runtime(rm1, 4, max_card_rows=256, min_split_rows=0)
+    await runtime.run(_batch(50, seed=8), BatchInfo())
+    assert sorted(_rows_per_card(runtime)) == [0, 0, 0, 50]
+    runtime.close()
+
+
+def test_busy_cards_are_not_split_onto_and_small_batches_stay_whole(rm1) -> None:
+    runtime = _runtime(rm1, 6, max_card_rows=100, min_split_rows=10)
+    assert runtime.parts(19) == 1  # under 2 x min_split_rows
+    assert runtime.parts(20) == 2
+    assert runtime.parts(1000) == 10  # over max_card_rows: as many parts as it takes, idle or not
+    assert runtime.parts(600) == 6  # six idle cards
+    for load in runtime.router.loads[:4]:
+        load.outstanding_rows = 5  # four cards busy: two idle
+    assert runtime.parts(600) == 6  # still needs six parts of <= 100
+    assert runtime.parts(150) == 2
+    runtime.router.mark_down(5)  # an idle card out of rotation does not count
+    assert runtime.parts(150) == 2  # max_card_rows needs two
+    assert runtime.parts(90) == 1
+    runtime.close()
+
+
+def test_a_negative_min_split_rows_is_refused(rm1) -> None:
+    _, partitioned = rm1
+    host = load_host_stage(partitioned, load_spec("host-cpu"))
+    with pytest.raises(ValueError, match="min_split_rows must be >= 0"):
+        PlanRuntime(host, [host], min_split_rows=-1)
+    host.close()
