@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
+from .allocator import keep_freed_memory
 from .core import InferenceCore
 from .metrics import ServerMetrics
 from .runtime import single_threaded_ops_here
@@ -64,6 +65,7 @@ class SixfoldServer:
 
     async def start(self) -> int:
         single_threaded_ops_here()  # the event loop runs small batches inline (server.runtime.StageRunner)
+        keep_freed_memory()  # stage workers reuse their batch buffers instead of faulting them in again
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         server = self._server = grpc.aio.server(options=options)
