@@ -1,16 +1,18 @@
 """Keep freed memory in the process: stage workers allocate and free tens of MB per batch.
 
-glibc's malloc gives each thread that allocates its own arena. Outside the main thread, an
-allocation above the mmap threshold (128 KiB to 32 MiB, adjusted as the program runs), or one
-that does not fit the arena's current heap, is mapped fresh from the kernel and unmapped when
-freed. So every large batch on a stage's worker thread (ids, row offsets, pooled rows: ~21 MB
-each for 700 rm2 items) faulted in and zeroed its buffers again: measured on rm2's host stage,
-5,000-10,500 page faults and up to 55 ms of system time per batch, 37-92 ms a batch on a worker
-thread against 31 ms on the main thread. With the settings below the same batch faults no page
-and takes 24-28 ms.
+glibc's malloc gives each thread that allocates its own arena. Outside the main thread an arena
+is a chain of heaps of at most 64 MiB, and an allocation above the mmap threshold (128 KiB to
+32 MiB, adjusted as the program runs), or one that does not fit the arena's heaps, is mapped
+fresh from the kernel and unmapped when freed. So a large batch on a stage's worker thread (ids,
+row offsets, embedding_bag's own id-sized buffers: ~21 MB each for 700 rm2 items) faulted in and
+zeroed its buffers again: measured on rm2's host stage, 5,000-10,500 page faults and up to 55 ms
+of system time per batch, 37-92 ms a batch on a worker thread against 31 ms on the main thread.
+With one arena (the main one, whose heap has no such limit) and the thresholds below, batches of
+varying size fault no page once the heap has grown to their size.
 
-The cost is memory kept for reuse: each arena keeps what it held at its peak, and up to
-``trim_threshold`` free at the top of the main heap, instead of giving it back between batches.
+The cost is memory kept for reuse (the heap keeps its peak, and up to ``trim_threshold`` free at
+its top) and one arena lock shared by every thread; the threads that allocate much are a
+model's few stage workers, which allocate a few large buffers per batch.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ __all__ = ["keep_freed_memory"]
 
 log = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
 _MIB = 1 << 20
 
 
-def keep_freed_memory(*, mmap_threshold: int = 32 * _MIB, top_pad: int = 64 * _MIB,
+def keep_freed_memory(*, arena_max: int = 1, mmap_threshold: int = 32 * _MIB, top_pad: int = 64 * _MIB,
                       trim_threshold: int = 256 * _MIB) -> bool:
     """Set glibc malloc so freed buffers are reused rather than unmapped and faulted in again.
 
-    ``mmap_threshold``: allocations below it come from an arena's heap (32 MiB is glibc's
+    Call it before the process starts threads: ``arena_max`` (1: every thread allocates from
+    the main arena) binds only threads that have not allocated yet. ``mmap_threshold``: allocations below it come from an arena's heap (32 MiB is glibc's
     ceiling; fixing it also stops glibc's own adjustment). ``top_pad``: extra bytes a heap
     grows by, so the next batch's buffers fit without growing it again. ``trim_threshold``:
     free memory at the top of a heap kept before it is given back. Returns False, changing
@@ -45,7 +48,8 @@ def keep_freed_memory(*, mmap_threshold: int = 32 * _MIB, top_pad: int = 64 * _M
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, mmap_threshold), (_M_TOP_PAD, top_pad), (_M_TRIM_THRESHOLD, trim_threshold)))
+        (_M_ARENA_MAX, arena_max), (_M_MMAP_THRESHOLD, mmap_threshold), (_M_TOP_PAD, top_pad),
+        (_M_TRIM_THRESHOLD, trim_threshold)))
     if not ok:
         log.warning("mallopt refused a setting; large batches may fault their buffers in again each time")
     return ok

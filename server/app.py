@@ -65,7 +65,7 @@ class SixfoldServer:
 
     async def start(self) -> int:
         single_threaded_ops_here()  # the event loop runs small batches inline (server.runtime.StageRunner)
-        keep_freed_memory()  # stage workers reuse their batch buffers instead of faulting them in again
+        keep_freed_memory()  # stage workers reuse their batch buffers (sixfold-serve sets it before any thread)
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         server = self._server = grpc.aio.server(options=options)

@@ -13,6 +13,7 @@ from rich.console import Console
 import models
 from backends.api import BackendError
 
+from .allocator import keep_freed_memory
 from .app import ServerConfig, SixfoldServer
 from .batcher import BatchingConfig
 from .core import InferenceCore
@@ -173,6 +174,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    keep_freed_memory()  # first: it binds only threads that have not allocated yet (server.allocator)
     configure_logging(args.log_level, args.log_format)
     console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
     if args.list_backends:
