@@ -329,11 +329,11 @@ class PlanRuntime:
         outputs = None
         if tuner is not None and tuner.on_host(rows):
             outputs = await self._host_dense_stage(card_inputs, rows)
-        parts = 1 if outputs is not None else self.parts(rows)
         if outputs is not None:
             index = -1  # the host
         else:
             t_card = self._clock()
+            parts = self.parts(rows)
             if parts == 1:
                 index, outputs = await self._card_stage(card_inputs, rows)
             else:
