@@ -47,6 +47,7 @@ from backends.spec import DeviceSpec, load_spec  # noqa: E402
 from models import RequestGenerator  # noqa: E402
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin  # noqa: E402
 from bench._common import publish  # noqa: E402
+from server.allocator import keep_freed_memory  # noqa: E402
 from server.loader import load_host_stage  # noqa: E402
 
 SECTION = "estimate-vs-measured"
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.rounds, args.runs, args.batches) < 1:
         parser.error("--rounds, --runs and --batches must be >= 1")
     torch.set_num_threads(1)
+    if not os.environ.get("SIXFOLD_BENCH_DEFAULT_MALLOC"):
+        keep_freed_memory()  # as sixfold-serve does first: stages are timed as the server runs them
     t0 = time.perf_counter()
     stages = {}
     for name in args.models:
