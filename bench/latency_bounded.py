@@ -98,7 +98,7 @@ SECTION = "latency-bounded"
 COMMAND = ".venv/bin/python bench/latency_bounded.py"
 MEAN_QUERY_ITEMS = float(np.mean(MLPERF_QUANTILES))  # 270 items
 LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so the p99 query
-IDEAL_QUERIES = 50_000  # ideal_max_qps's default
+IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
 SERVERS = ("sixfold", "sixfold-nobatch", "mlserver")
@@ -578,7 +578,7 @@ RATIOS = (("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "
 
 def ideal_qps(offline: dict[str, Any], bound: float) -> float:
     """The ideal server's max q/s at ``bound``: offline's best speed for every query, FIFO, no overhead."""
-    return ideal_max_qps(offline["best_items_per_s"], MLPerfQuerySizes(), bound).max_qps
+    return ideal_max_qps(offline["best_items_per_s"], MLPerfQuerySizes(), bound, queries=IDEAL_QUERIES).max_qps
 
 
 def summarize(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:

@@ -68,10 +68,11 @@ def ideal_max_qps(items_per_s: float, query_sizes: QuerySizes, p99_ms: float, *,
     def p99(rate: float) -> float:
         return float(np.percentile(ideal_latencies(sizes, unit_gaps / rate, items_per_s), 99))
 
-    if p99(1e-9) > bound_s:  # queries alone, never queued: the p99 query is too slow by itself
-        return IdealServerResult(0.0, p99(1e-9) * 1e3, capacity)
+    alone = p99(1e-9)  # queries never queued
+    if alone > bound_s:  # the p99 query is too slow by itself
+        return IdealServerResult(0.0, alone * 1e3, capacity)
     lo, hi = 0.0, capacity  # at capacity the queue grows without bound
     while hi - lo > tolerance * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if p99(mid) <= bound_s else (lo, mid)
-    return IdealServerResult(lo, p99(lo) * 1e3 if lo else p99(1e-9) * 1e3, capacity)
+    return IdealServerResult(lo, (p99(lo) if lo else alone) * 1e3, capacity)

@@ -34,11 +34,12 @@ def keep_freed_memory(*, arena_max: int = 1, mmap_threshold: int = 32 * _MIB, to
     """Set glibc malloc so freed buffers are reused rather than unmapped and faulted in again.
 
     Call it before the process starts threads: ``arena_max`` (1: every thread allocates from
-    the main arena) binds only threads that have not allocated yet. ``mmap_threshold``: allocations below it come from an arena's heap (32 MiB is glibc's
-    ceiling; fixing it also stops glibc's own adjustment). ``top_pad``: extra bytes a heap
-    grows by, so the next batch's buffers fit without growing it again. ``trim_threshold``:
-    free memory at the top of a heap kept before it is given back. Returns False, changing
-    nothing, where the C library is not glibc (musl, macOS).
+    the main arena) binds only threads that have not allocated yet. ``mmap_threshold``:
+    allocations below it come from a heap (32 MiB is glibc's ceiling; fixing it also stops
+    glibc's own adjustment). ``top_pad``: extra bytes a heap grows by, so the next batch's
+    buffers fit without growing it again. ``trim_threshold``: free memory at the top of a heap
+    kept before it is given back. Returns False, changing nothing, where the C library is not
+    glibc (musl, macOS).
     """
     if platform.libc_ver()[0] != "glibc":
         return False
