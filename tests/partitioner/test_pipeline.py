@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import models
-from backends.registry import get_backend
 from backends.simcard import SimCardBackend
 from backends.spec import load_spec
 from partitioner.artifacts import write_artifacts
@@ -29,9 +28,9 @@ from partitioner.cost import PartitionCost, module_param_bytes
 from partitioner.pipeline import GraphCosts, NodeCost, compute_nodes, node_costs, run_stages, split_stages
 from partitioner.plan import DeviceInfo, PartitionPlan
 from partitioner.strategy import ACTIVATION_HEADROOM, PlanError, _StageModel, choose, pipeline
-from server.loader import load_host_stage
 from server.batcher import BatchInfo
 from server.dense_loader import PipelineExecutable, load_dense
+from server.loader import load_host_stage
 from server.runtime import PlanRuntime
 
 CARD_MEMORY = 400_000

@@ -70,7 +70,7 @@ async def test_late_arrivals_that_fill_the_batch_send_it_before_the_delay() -> N
     await asyncio.sleep(0.01)
     fifth = asyncio.ensure_future(batcher.submit(_request(6, 5), 6))  # 12 rows: 6 leave, 6 wait
     await asyncio.sleep(0.05)
-    assert model.batches == [10, 6] and loop.time() - started < 2.0 and not fifth.done()
+    assert model.batches == [10, 6] and loop.time() - started < 2.0 and fourth.done() and not fifth.done()
     fifth.cancel()
     await batcher.close(drain=False)
 

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import models
-from backends.registry import get_backend
 from backends.simcard import SimCardBackend
 from backends.spec import load_spec
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
-from server.loader import load_host_stage
+from partitioner.compile import DENSE_PARTITION, partition_builtin
 from server.batcher import BatchInfo
 from server.errors import Unavailable
+from server.loader import load_host_stage
 from server.runtime import PlanRuntime
 
 
