@@ -67,29 +67,52 @@ def _from_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor, dtype
 
 def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
     """The request's input tensors by name, from raw_input_contents or typed contents."""
-    # NOTE: runs on the event loop for every request: math.prod, not np.prod (3 us a call).
+    # NOTE: runs on the event loop for every request: each protobuf field read is a call into
+    # upb, so every field is read once; raw bytes are viewed first and their size checked from
+    # the view (one multiplication fewer than counting the shape's elements twice).
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+    tensors = request.inputs
+    if not raw:
+        return _decode_typed(tensors)
+    if len(raw) != len(tensors):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs; "
                            "they must match one to one")
     arrays: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(request.inputs):
+    for tensor, data in zip(tensors, raw):
+        name = tensor.name
+        dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)  # _dtype raises, naming the input
+        shape = tuple(tensor.shape)
+        count = math.prod(shape)
+        if len(data) != count * dtype.itemsize or name in arrays:
+            _raw_mismatch(tensor, name, arrays, shape, dtype, data)  # raises, naming the input
+        try:
+            arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+        except ValueError:  # negative dimensions whose product still matches the bytes
+            _raw_mismatch(tensor, name, arrays, shape, dtype, data)
+    return arrays
+
+
+def _raw_mismatch(tensor: service_pb2.ModelInferRequest.InferInputTensor, name: str, seen: Mapping[str, object],
+                  shape: tuple[int, ...], dtype: np.dtype, data: bytes) -> None:
+    """Raise the InvalidInput that explains why a raw input cannot be viewed as its declared tensor."""
+    if name in seen:
+        raise InvalidInput(f"input '{name}' appears twice")
+    _shape(tensor)  # raises for a negative dimension
+    need = math.prod(shape) * dtype.itemsize
+    raise InvalidInput(f"input '{name}': raw contents have {len(data)} bytes but shape "
+                       f"{list(shape)} of {tensor.datatype} needs {need}")
+
+
+def _decode_typed(tensors) -> dict[str, np.ndarray]:
+    """Inputs sent as typed contents (``contents.fp32_contents`` etc.) instead of raw bytes."""
+    arrays: dict[str, np.ndarray] = {}
+    for tensor in tensors:
         name = tensor.name
         if name in arrays:
             raise InvalidInput(f"input '{name}' appears twice")
-        dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)  # _dtype raises, naming the input
-        shape = tuple(tensor.shape)
-        if shape and min(shape) < 0:
-            _shape(tensor)  # raises, naming the input
-        count = math.prod(shape)
-        if not raw:
-            arrays[name] = _from_contents(tensor, dtype, shape, count)
-            continue
-        data = raw[i]
-        if len(data) != count * dtype.itemsize:
-            raise InvalidInput(f"input '{name}': raw contents have {len(data)} bytes but shape "
-                               f"{list(shape)} of {tensor.datatype} needs {count * dtype.itemsize}")
-        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+        dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)
+        shape = _shape(tensor)
+        arrays[name] = _from_contents(tensor, dtype, shape, math.prod(shape))
     return arrays
 
 

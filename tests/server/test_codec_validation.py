@@ -8,6 +8,7 @@ from tritonclient.grpc import service_pb2
 
 from server.codec import decode_inputs, encode_response
 from server.errors import InvalidInput
+from server import validation
 from server.validation import InputSpec, validate_request
 
 SPECS = [InputSpec("dense_features", "FP32", (-1, 3)), InputSpec("sparse_lengths", "INT32", (-1, 2)),
@@ -50,6 +51,23 @@ def test_raw_bytes_short_of_the_shape() -> None:
         decode_inputs(request)
 
 
+@pytest.mark.parametrize("shape, nbytes", [((-1, -1), 4), ((-1, 0), 0), ((-2, 0), 0), ((-1,), 12), ((2, -2), 16)])
+def test_negative_dimensions_are_refused_even_when_the_bytes_match(shape, nbytes: int) -> None:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="dense_features", datatype="FP32", shape=shape)
+    request.raw_input_contents.append(bytes(nbytes))
+    with pytest.raises(InvalidInput, match="'dense_features': shape .* has a negative dimension"):
+        decode_inputs(request)
+
+
+def test_an_input_given_twice_is_refused() -> None:
+    request = _request(_good())
+    request.inputs.add(name="dense_features", datatype="FP32", shape=[2, 3])
+    request.raw_input_contents.append(bytes(24))
+    with pytest.raises(InvalidInput, match="'dense_features' appears twice"):
+        decode_inputs(request)
+
+
 def test_typed_contents_count_mismatch_and_bad_datatype() -> None:
     request = _request(_good(), raw=False)
     request.inputs[2].contents.int64_contents.append(3)
@@ -74,7 +92,11 @@ def test_typed_contents_count_mismatch_and_bad_datatype() -> None:
     (lambda r: r.update(extra=np.zeros(1, np.float32)), r"unknown input\(s\) \['extra'\]"),
     (lambda r: r.pop("sparse_lengths"), "missing input 'sparse_lengths'"),
 ])
-def test_invalid_requests_name_the_field(mutate, message: str) -> None:
+@pytest.mark.parametrize("path", ["lists", "numpy"])
+def test_invalid_requests_name_the_field(mutate, message: str, path: str, monkeypatch) -> None:
+    if path == "numpy":  # the checks for arrays too large for the list path, on the same requests
+        monkeypatch.setattr(validation, "_SMALL_LENGTHS", 0)
+        monkeypatch.setattr(validation, "_SMALL_IDS", 0)
     request = _good()
     mutate(request)
     with pytest.raises(InvalidInput, match=message):
