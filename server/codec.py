@@ -68,8 +68,7 @@ def _from_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor, dtype
 def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
     """The request's input tensors by name, from raw_input_contents or typed contents."""
     # NOTE: runs on the event loop for every request: each protobuf field read is a call into
-    # upb, so every field is read once; raw bytes are viewed first and their size checked from
-    # the view (one multiplication fewer than counting the shape's elements twice).
+    # upb, so every field is read once, and each input is one ndarray over its raw bytes.
     raw = request.raw_input_contents
     tensors = request.inputs
     if not raw:
@@ -81,19 +80,18 @@ def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarra
     for tensor, data in zip(tensors, raw):
         name = tensor.name
         dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)  # _dtype raises, naming the input
-        shape = tuple(tensor.shape)
-        count = math.prod(shape)
-        if len(data) != count * dtype.itemsize or name in arrays:
+        shape = tensor.shape[:]  # NOTE: a list slice is half the cost of tuple() on upb's container
+        if len(data) != math.prod(shape) * dtype.itemsize or name in arrays:
             _raw_mismatch(tensor, name, arrays, shape, dtype, data)  # raises, naming the input
-        try:
-            arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+        try:  # a read-only view of the bytes, like np.frombuffer(...).reshape(...) in one call
+            arrays[name] = np.ndarray(shape, dtype, data)
         except ValueError:  # negative dimensions whose product still matches the bytes
             _raw_mismatch(tensor, name, arrays, shape, dtype, data)
     return arrays
 
 
 def _raw_mismatch(tensor: service_pb2.ModelInferRequest.InferInputTensor, name: str, seen: Mapping[str, object],
-                  shape: tuple[int, ...], dtype: np.dtype, data: bytes) -> None:
+                  shape: list[int], dtype: np.dtype, data: bytes) -> None:
     """Raise the InvalidInput that explains why a raw input cannot be viewed as its declared tensor."""
     if name in seen:
         raise InvalidInput(f"input '{name}' appears twice")
