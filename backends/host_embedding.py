@@ -259,6 +259,7 @@ class HostEmbeddingStage:
                 group_of[t], row_offset[t] = g, off
         self._row_offset = torch.from_numpy(row_offset)
         self._row_offset_np = row_offset
+        self._bag_row_offsets = np.tile(row_offset, 64)  # grown by _row_offsets_of_bags as batches grow
         self._table_rows_np = np.asarray(self.table_rows, dtype=np.int64)
         self._table_rows = torch.tensor(self.table_rows, dtype=torch.int64)
         self._min_rows = min(self.table_rows)
@@ -401,17 +402,24 @@ class HostEmbeddingStage:
         total = ids.shape[0]
         ends = np.cumsum(flat)
         self._check_counts(int(flat.min()) if flat.size else 0, int(ends[-1]) if flat.size else 0, total)
-        rows = ids.astype(np.int64)  # a copy: the index arithmetic below writes to it
-        if total and self.check_ids and (int(rows.min()) < 0 or int(rows.max()) >= self._min_rows):
+        if total and self.check_ids and (int(ids.min()) < 0 or int(ids.max()) >= self._min_rows):
             limits = np.repeat(np.tile(self._table_rows_np, lengths.shape[0]), flat)
-            if ((rows < 0) | (rows >= limits)).any():
-                self._check_ids(torch.from_numpy(rows), torch.from_numpy(flat))  # names the offending id
-        rows += np.repeat(np.tile(self._row_offset_np, lengths.shape[0]), flat)
+            if ((ids < 0) | (ids >= limits)).any():
+                self._check_ids(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(flat))  # names the bad id
+        rows = ids + np.repeat(self._row_offsets_of_bags(flat.shape[0]), flat)  # int64, a new array
         # NOTE: the op itself, not F.embedding_bag's argument checks, and no inference_mode
         # context: no input needs grad, so neither changes the result, and each costs a few us.
         pooled = torch.embedding_bag(self.groups[0].weight, torch.from_numpy(rows), torch.from_numpy(ends - flat),
                                      False, 0, False, None, False, None)[0]
         return pooled.numpy()
+
+    def _row_offsets_of_bags(self, bags: int) -> np.ndarray:
+        """Each bag's table's first row in the fused weight, for ``bags`` bags (sample-major)."""
+        tiled = self._bag_row_offsets
+        if tiled.shape[0] < bags:
+            copies = max(2 * tiled.shape[0], bags) // self.num_tables + 1
+            tiled = self._bag_row_offsets = np.tile(self._row_offset_np, copies)
+        return tiled[:bags]
 
     def run_numpy(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
         """``forward`` on numpy arrays (zero-copy views in and out).

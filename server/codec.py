@@ -115,25 +115,24 @@ def _decode_typed(tensors) -> dict[str, np.ndarray]:
 
 
 def requested_outputs(request: service_pb2.ModelInferRequest) -> list[str]:
-    return [o.name for o in request.outputs]
+    outputs = request.outputs
+    return [o.name for o in outputs] if outputs else []
 
 
 def request_timeout(request: service_pb2.ModelInferRequest, context: object = None) -> float | None:
     """Seconds the client will wait: the sooner of its gRPC deadline and the ``timeout``
     parameter (microseconds, Triton's name); None when neither is set."""
-    limits = []
-    remaining = getattr(context, "time_remaining", lambda: None)()
-    if remaining is not None:
-        limits.append(max(0.0, remaining))
+    remaining = context.time_remaining() if context is not None else None
+    limit = None if remaining is None else max(0.0, remaining)
     if "timeout" in request.parameters:
         param = request.parameters["timeout"]
         which = param.WhichOneof("parameter_choice")
         value = getattr(param, which) if which else None
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidInput(f"parameter 'timeout' must be a non-negative integer (microseconds), got {value!r}")
-        if value:
-            limits.append(value / 1e6)
-    return min(limits) if limits else None
+        if value and (limit is None or value / 1e6 < limit):
+            limit = value / 1e6
+    return limit
 
 
 def request_priority(request: service_pb2.ModelInferRequest) -> int:

@@ -26,6 +26,8 @@ class InferenceCore:
 
     def __init__(self, models: Iterable[ServedModel] = ()) -> None:
         self.versions: dict[str, dict[str, ServedModel]] = {}
+        self._newest: dict[str, ServedModel] = {}
+        """Each model's newest version, kept by add/remove: a request without a version looks it up."""
         for model in models:
             self.add(model)
         self.accepting = True
@@ -55,14 +57,21 @@ class InferenceCore:
                 for _, m in sorted(self.versions[name].items(), key=lambda kv: _version_key(kv[0]))]
 
     def _latest(self, name: str) -> ServedModel:
-        versions = self.versions[name]
-        return versions[max(versions, key=_version_key)]
+        return self._newest[name]
+
+    def _update_newest(self, name: str) -> None:
+        versions = self.versions.get(name)
+        if versions:
+            self._newest[name] = versions[max(versions, key=_version_key)]
+        else:
+            self._newest.pop(name, None)
 
     def add(self, model: ServedModel) -> ServedModel | None:
         """Serve ``model``; returns the version it replaces (same name and version), if any."""
         versions = self.versions.setdefault(model.name, {})
         old = versions.get(model.version)
         versions[model.version] = model
+        self._update_newest(model.name)
         return old
 
     def remove(self, name: str, version: str) -> ServedModel | None:
@@ -71,14 +80,17 @@ class InferenceCore:
         model = versions.pop(version, None)
         if not versions:
             self.versions.pop(name, None)
+        self._update_newest(name)
         return model
 
     def model(self, name: str, version: str = "") -> ServedModel:
+        if version == "":
+            newest = self._newest.get(name)
+            if newest is not None:
+                return newest
         versions = self.versions.get(name)
         if not versions:
             raise ModelNotFound(f"unknown model '{name}'; serving: {sorted(self.versions)}")
-        if version == "":
-            return self._latest(name)
         model = versions.get(version)
         if model is None:
             raise ModelNotFound(f"model '{name}' has no version '{version}'; "

@@ -101,8 +101,7 @@ class ServedModel:
         card = info.timings.get("card_s", 0.0)
         self.stats.record_success(total, info.queue_s, host, card, max(0.0, total - info.queue_s - host - card), rows)
         self._metrics.record_success(rows, total, info.queue_s, host, card)
-        wanted = requested or self.output_names
-        return {n: outputs[n] for n in wanted}
+        return {n: outputs[n] for n in requested} if requested else outputs
 
     def config_parameters(self) -> dict[str, Any]:
         return dict(self.parameters)

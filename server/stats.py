@@ -1,8 +1,11 @@
-"""Per-model inference statistics in Triton's shape (ModelStatistics needs real counts)."""
+"""Per-model inference statistics in Triton's shape (ModelStatistics needs real counts).
+
+Written and read on the event loop only (requests, batches and the ModelStatistics RPC all
+run there), so the counters take no lock.
+"""
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,32 +35,28 @@ class ModelStats:
     execution_count: int = 0
     """Batches executed."""
     last_inference_ms: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_success(self, total_s: float, queue_s: float, input_s: float, infer_s: float,
                        output_s: float, rows: int) -> None:
         # NOTE: once per request on the event loop: the adds are written out, not Duration.add calls.
-        with self._lock:
-            success, queue, cin, cinfer, cout = (self.success, self.queue, self.compute_input, self.compute_infer,
-                                                 self.compute_output)
-            success.count += 1
-            success.ns += int(total_s * 1e9)
-            queue.count += 1
-            queue.ns += int(queue_s * 1e9)
-            cin.count += 1
-            cin.ns += int(input_s * 1e9)
-            cinfer.count += 1
-            cinfer.ns += int(infer_s * 1e9)
-            cout.count += 1
-            cout.ns += int(output_s * 1e9)
-            self.inference_count += rows
-            self.last_inference_ms = int(time.time() * 1000)
+        success, queue, cin, cinfer, cout = (self.success, self.queue, self.compute_input, self.compute_infer,
+                                             self.compute_output)
+        success.count += 1
+        success.ns += int(total_s * 1e9)
+        queue.count += 1
+        queue.ns += int(queue_s * 1e9)
+        cin.count += 1
+        cin.ns += int(input_s * 1e9)
+        cinfer.count += 1
+        cinfer.ns += int(infer_s * 1e9)
+        cout.count += 1
+        cout.ns += int(output_s * 1e9)
+        self.inference_count += rows
+        self.last_inference_ms = int(time.time() * 1000)
 
     def record_failure(self, total_s: float) -> None:
-        with self._lock:
-            self.fail.add(total_s)
-            self.last_inference_ms = int(time.time() * 1000)
+        self.fail.add(total_s)
+        self.last_inference_ms = int(time.time() * 1000)
 
     def record_batch(self) -> None:
-        with self._lock:
-            self.execution_count += 1
+        self.execution_count += 1

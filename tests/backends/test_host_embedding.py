@@ -337,3 +337,13 @@ def test_check_ids_off_skips_the_range_check_for_callers_that_did_it():
         np.testing.assert_array_equal(stage.run_numpy(lengths, good), checked.stage.run_numpy(lengths, good))
     with pytest.raises(IndexError, match="out of range for table 1"):
         checked.stage.run_numpy(lengths, np.array([3, 7, 0, 9], np.int64))
+
+
+def test_the_numpy_path_stays_exact_as_batches_grow_and_shrink():
+    """Its per-bag row offsets are cached and grown on demand; a smaller batch after a larger one reads a prefix."""
+    tables = make_tables(rows=(50, 7, 1, 30, 400))
+    stage = HostEmbeddingStage(tables)
+    for n in (3, 500, 2, 90):
+        lengths, indices = make_request(stage.table_rows, n=n, seed=n, empty_every=3)
+        np.testing.assert_allclose(stage.run_numpy(lengths, indices), reference(tables, lengths, indices),
+                                   atol=1e-6, rtol=0)
