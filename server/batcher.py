@@ -40,7 +40,7 @@ import numpy as np
 
 from .errors import DeadlineExceeded, InternalError, InvalidInput, Overloaded, ServingError, Unavailable
 
-__all__ = ["BatchingConfig", "QueuePolicy", "DynamicBatcher", "BatchInfo", "TIMEOUT_ACTIONS"]
+__all__ = ["BatchingConfig", "QueuePolicy", "DynamicBatcher", "BatchInfo", "Queued", "TIMEOUT_ACTIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,10 @@ class BatchInfo:
 
 
 @dataclass(eq=False)
-class _Pending:
+class Queued:
+    """One request in the queue (``DynamicBatcher.enqueue``): await ``future`` for its outputs;
+    ``info`` then describes the batch it rode in."""
+
     inputs: Arrays
     rows: int
     future: asyncio.Future
@@ -210,15 +213,16 @@ class _Level:
 
     def __init__(self, policy: QueuePolicy) -> None:
         self.policy = policy
-        self.waiting: deque[_Pending] = deque()
-        self.delayed: deque[_Pending] = deque()
+        self.default_timeout = policy.default_timeout_microseconds > 0
+        self.waiting: deque[Queued] = deque()
+        self.delayed: deque[Queued] = deque()
         self.live = 0
 
     @staticmethod
-    def _gone(p: _Pending) -> bool:
+    def _gone(p: Queued) -> bool:
         return p.taken or p.future.done()
 
-    def _tidy(self, queue: deque[_Pending], moved: bool) -> None:
+    def _tidy(self, queue: deque[Queued], moved: bool) -> None:
         while queue and (self._gone(queue[0]) or (moved and queue[0].delayed)):
             queue.popleft()
         if len(queue) > 2 * self.live + 64:  # NOTE: bounds memory under churn; amortized O(1)
@@ -226,7 +230,7 @@ class _Level:
             queue.clear()
             queue.extend(kept)
 
-    def in_order(self) -> Iterator[_Pending]:
+    def in_order(self) -> Iterator[Queued]:
         """Live requests in service order: those not timed out, then the DELAYed ones."""
         self._tidy(self.waiting, moved=True)
         self._tidy(self.delayed, moved=False)
@@ -251,6 +255,7 @@ class DynamicBatcher:
         self._max_inflight = max_inflight
         self._clock = clock
         self._levels = {level: _Level(config.policy(level)) for level in config.levels}
+        self._default_level = config.level_of(0)
         self._loop_task: asyncio.Task | None = None
         self._inflight: asyncio.Semaphore | None = None
         self._waiter: asyncio.Future | None = None
@@ -277,26 +282,43 @@ class DynamicBatcher:
 
     async def submit(self, inputs: Arrays, rows: int, timeout_s: float | None = None,
                      priority: int = 0) -> tuple[Arrays, BatchInfo]:
+        """Queue one request and wait for its outputs: ``enqueue``, ``await`` its future, ``abandon`` on failure."""
+        item = self.enqueue(inputs, rows, timeout_s, priority)
+        try:
+            outputs = await item.future
+        except BaseException:  # timed out, failed, or cancelled (the client went away)
+            self.abandon(item)
+            raise
+        return outputs, item.info
+
+    def enqueue(self, inputs: Arrays, rows: int, timeout_s: float | None = None, priority: int = 0) -> Queued:
         """Queue one request at ``priority`` (0: the default level); ``timeout_s`` is the client's.
 
+        The caller awaits the returned ``future`` and calls ``abandon`` if that raises (the
+        request timed out, its batch failed, or its client went away). ``submit`` does both.
+        NOTE: apart, so the serving path awaits the future itself: every coroutine frame between
+        the RPC's task and the future is passed through twice per request, to suspend and resume.
+
         Raises Overloaded at once when the level's queue is full, InvalidInput
-        for a priority the model does not have, DeadlineExceeded when a REJECT
-        timeout passes while queued.
+        for a priority the model does not have; the future raises DeadlineExceeded when a
+        REJECT timeout passes while queued.
         """
         if self._closing:
             raise Unavailable("server is shutting down; not accepting new requests")
-        level_no = self.config.level_of(priority)
+        # NOTE: nearly every request gives no priority: its level is looked up once, not per request.
+        level_no = self._default_level if priority == 0 and type(priority) is int else self.config.level_of(priority)
         level = self._levels[level_no]
         limit = level.policy.max_queue_size
         if limit and level.live >= limit:
             where = f" at priority level {level_no}" if self.config.priority_levels else ""
             raise Overloaded(f"queue full{where}: {level.live} requests waiting (max_queue_size {limit}); "
                              "retry later")
-        self._ensure_started()
+        if self._loop_task is None:
+            self._ensure_started()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        item = _Pending(inputs, rows, future, self._clock(), BatchInfo(), level_no)
-        timeout = level.policy.timeout_s(timeout_s)
+        item = Queued(inputs, rows, future, self._clock(), BatchInfo(), level_no)
+        timeout = level.policy.timeout_s(timeout_s) if timeout_s is not None or level.default_timeout else None
         if timeout is not None:
             item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
         level.waiting.append(item)
@@ -307,15 +329,13 @@ class DynamicBatcher:
         # which saves a wake-up and a walk over the queue per request.
         if not (self._lazy_wake and self._timer is not None and self._rows < self.config.max_batch_rows):
             self._wake()
-        # NOTE: a try, not a done-callback on the future: one loop callback fewer per request.
-        try:
-            outputs = await future
-        except BaseException:  # timed out, failed, or cancelled (the client went away)
-            self._left_queue(item)
-            raise
-        return outputs, item.info
+        return item
 
-    def _left_queue(self, item: _Pending) -> None:
+    def abandon(self, item: Queued) -> None:
+        """The caller stopped waiting for ``item`` (its future raised or was cancelled): free its queue slot."""
+        self._left_queue(item)
+
+    def _left_queue(self, item: Queued) -> None:
         """A queued request failed or its client went away: it no longer holds a queue slot."""
         if not item.taken:
             item.taken = True  # a tombstone from now on
@@ -324,7 +344,7 @@ class DynamicBatcher:
             if item.timer is not None:
                 item.timer.cancel()
 
-    def _timed_out(self, item: _Pending) -> None:
+    def _timed_out(self, item: Queued) -> None:
         if item.taken or item.future.done():
             return
         level = self._levels[item.level]
@@ -341,9 +361,9 @@ class DynamicBatcher:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _candidates(self) -> tuple[list[_Pending], bool]:
+    def _candidates(self) -> tuple[list[Queued], bool]:
         """The batch that would leave now, in priority order; and whether it is full."""
-        chosen: list[_Pending] = []
+        chosen: list[Queued] = []
         rows, limit = 0, self.config.max_batch_rows
         for level in self._levels.values():
             for item in level.in_order():
@@ -355,7 +375,7 @@ class DynamicBatcher:
                     return chosen, True
         return chosen, False
 
-    def _preferred_cut(self, chosen: list[_Pending]) -> int:
+    def _preferred_cut(self, chosen: list[Queued]) -> int:
         """How many of ``chosen`` to send now for a preferred size (0: none reached)."""
         cut, rows, preferred = 0, 0, self.config.preferred_batch_rows
         k = 0  # the next preferred size not yet crossed
@@ -365,7 +385,7 @@ class DynamicBatcher:
                 cut, k = i + 1, k + 1
         return cut
 
-    def _take(self, batch: list[_Pending]) -> list[_Pending]:
+    def _take(self, batch: list[Queued]) -> list[Queued]:
         self._disarm()
         for item in batch:
             item.taken = True
@@ -375,7 +395,7 @@ class DynamicBatcher:
                 item.timer.cancel()
         return batch
 
-    async def _next_batch(self) -> list[_Pending]:
+    async def _next_batch(self) -> list[Queued]:
         loop = asyncio.get_running_loop()
         delay = self.config.max_queue_delay_microseconds / 1e6
         while True:
@@ -433,7 +453,7 @@ class DynamicBatcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, batch: list[_Pending]) -> None:
+    async def _execute(self, batch: list[Queued]) -> None:
         assert self._inflight is not None
         try:
             started = self._clock()

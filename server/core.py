@@ -97,13 +97,12 @@ class InferenceCore:
                                 f"versions: {sorted(versions, key=_version_key)}")
         return model
 
-    async def infer(self, name: str, version: str, inputs: dict[str, np.ndarray],
-                    requested: list[str], timeout_s: float | None = None,
-                    priority: int = 0) -> tuple[ServedModel, dict[str, np.ndarray]]:
+    def serving(self, name: str, version: str = "") -> ServedModel:
+        """The model version an inference request goes to; Unavailable while shutting down."""
         model = self.model(name, version)
         if not self.accepting:
             raise Unavailable("server is shutting down; not accepting new requests")
-        return model, await model.infer(inputs, requested, timeout_s, priority)
+        return model
 
     async def shutdown(self) -> None:
         """Stop accepting, answer what is queued and running, then release the devices."""

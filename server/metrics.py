@@ -1,9 +1,11 @@
 """Prometheus metrics (one registry per server, so tests can run several servers in a process).
 
-Per-batch series are prometheus-client metrics. Per-request series are plain counters and
-bucket counts on ``ModelMetrics``, read by a collector when /metrics is scraped: a
-prometheus-client ``inc`` takes a lock and checks its type (~1.5 us), and a request records
-ten series, which was a fifth of sixfold's own time per request on the event loop.
+Per-request and per-batch series are plain counters and bucket counts on ``ModelMetrics``,
+read by a collector when /metrics is scraped: a prometheus-client ``inc`` takes a lock and
+checks its type (~1.5 us), and a request records ten series and a batch seven, which was a
+fifth of sixfold's own time per request on the event loop. Gauges that change rarely (per-card
+rows in flight, simulation lag, the host-dense threshold) and failures stay prometheus-client
+metrics.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["ServerMetrics", "ModelMetrics"]
 
@@ -24,13 +27,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.failure = Counter("sixfold_inference_request_failure", "Failed inference requests", ["model", "reason"], registry=r)
-        self.executions = Counter("sixfold_inference_exec_count", "Batches executed", ["model"], registry=r)
-        self.host_seconds = Histogram("sixfold_host_stage_duration_seconds", "Host (sparse) stage time per batch", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.card_seconds = Histogram("sixfold_card_stage_duration_seconds", "Card (dense) stage time per batch, transfers included", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.batch_rows = Histogram("sixfold_batch_rows", "Rows (items) per executed batch", ["model"], buckets=_ROW_BUCKETS, registry=r)
         self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
         self.host_dense_max_rows = Gauge("sixfold_host_dense_max_rows", "Batches of at most this many rows run their dense part on the host CPU (0: none)", ["model"], registry=r)
-        self.host_dense_batches = Counter("sixfold_host_dense_batches", "Batches whose dense part ran on the host CPU", ["model"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
 
         # Triton's own names (cumulative microsecond counters), so Triton dashboards work unchanged.
@@ -38,7 +36,6 @@ class ServerMetrics:
         # and Triton's series carry no suffix.
         labels = ["model", "version"]
         self.nv_failure = Gauge("nv_inference_request_failure", "Failed requests (Triton name)", [*labels, "reason"], registry=r)
-        self.nv_exec = Gauge("nv_inference_exec_count", "Batches executed (Triton name)", labels, registry=r)
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         r.register(_RequestCollector(self._models))
 
@@ -70,11 +67,12 @@ class ModelMetrics:
         self.items = 0
         self.request_s = self.queue_s = self.host_s = self.card_s = 0.0
         self.request_seconds, self.queue_seconds = _Buckets(_LATENCY_BUCKETS), _Buckets(_LATENCY_BUCKETS)
-        self.executions, self.batch_rows = m.executions.labels(model), m.batch_rows.labels(model)
-        self.host_seconds, self.card_seconds = m.host_seconds.labels(model), m.card_seconds.labels(model)
+        # Per-batch series, the same way.
+        self.batches = self.host_dense_batches = 0
+        self.batch_rows = _Buckets(_ROW_BUCKETS)
+        self.host_seconds, self.card_seconds = _Buckets(_LATENCY_BUCKETS), _Buckets(_LATENCY_BUCKETS)
         self.host_dense_max_rows = m.host_dense_max_rows.labels(model)
-        self.host_dense_batches = m.host_dense_batches.labels(model)
-        self.nv_exec = m.nv_exec.labels(model, version)
+        self._host_dense_max_rows: int | None = None
         self._cards: dict[int, tuple] = {}
 
     def card(self, index: int) -> tuple:
@@ -97,6 +95,18 @@ class ModelMetrics:
         self.request_seconds.observe(total_s)
         self.queue_seconds.observe(queue_s)
 
+    def record_batch(self, rows: int, host_s: float, card_s: float, host_dense_max_rows: int,
+                     dense_on_host: bool) -> None:
+        """One executed batch (on the event loop)."""
+        self.batches += 1
+        self.batch_rows.observe(rows)
+        self.host_seconds.observe(host_s)
+        self.card_seconds.observe(card_s)
+        self.host_dense_batches += dense_on_host
+        if host_dense_max_rows != self._host_dense_max_rows:  # a gauge: set when it moves
+            self._host_dense_max_rows = host_dense_max_rows
+            self.host_dense_max_rows.set(host_dense_max_rows)
+
     def record_failure(self, reason: str) -> None:
         # NOTE: failures are rare; labels() per call keeps the reason set open.
         self._m.failure.labels(self.model, reason).inc()
@@ -118,14 +128,14 @@ class _Buckets:
     def cumulative(self) -> tuple[list[tuple[str, float]], float]:
         counts, total, running = list(self.counts), self.sum, 0
         buckets = []
-        for bound, count in zip((*map(str, self.bounds), "+Inf"), counts):
+        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), counts):  # le="8.0", as prometheus-client
             running += count
             buckets.append((bound, running))
         return buckets, total
 
 
 class _RequestCollector:
-    """Exports every model version's per-request series when /metrics is scraped.
+    """Exports every model version's per-request and per-batch series when /metrics is scraped.
 
     The sixfold_* series are per model (versions summed); Triton's nv_* are per model and version.
     """
@@ -135,24 +145,36 @@ class _RequestCollector:
 
     def collect(self) -> Iterator[Metric]:
         bound = list(self._models.values())
-        success = CounterMetricFamily("sixfold_inference_request_success", "Successful inference requests", labels=["model"])
-        items = CounterMetricFamily("sixfold_inference_count", "Items (batch rows) inferred", labels=["model"])
-        request = HistogramMetricFamily("sixfold_request_duration_seconds", "End-to-end request time in the server", labels=["model"])
-        queue = HistogramMetricFamily("sixfold_queue_duration_seconds", "Time a request waited in the batch queue", labels=["model"])
         by_model: dict[str, list[ModelMetrics]] = {}
         for m in bound:
             by_model.setdefault(m.model, []).append(m)
-        for model, versions in sorted(by_model.items()):
-            success.add_metric([model], sum(m.requests for m in versions))
-            items.add_metric([model], sum(m.items for m in versions))
-            for family, attr in ((request, "request_seconds"), (queue, "queue_seconds")):
+        counters = (("sixfold_inference_request_success", "Successful inference requests", "requests"),
+                    ("sixfold_inference_count", "Items (batch rows) inferred", "items"),
+                    ("sixfold_inference_exec_count", "Batches executed", "batches"),
+                    ("sixfold_host_dense_batches", "Batches whose dense part ran on the host CPU",
+                     "host_dense_batches"))
+        for name, doc, attr in counters:
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            for model, versions in sorted(by_model.items()):
+                family.add_metric([model], sum(getattr(m, attr) for m in versions))
+            yield family
+        histograms = (("sixfold_request_duration_seconds", "End-to-end request time in the server", "request_seconds"),
+                      ("sixfold_queue_duration_seconds", "Time a request waited in the batch queue", "queue_seconds"),
+                      ("sixfold_host_stage_duration_seconds", "Host (sparse) stage time per batch", "host_seconds"),
+                      ("sixfold_card_stage_duration_seconds", "Card (dense) stage time per batch, transfers included",
+                       "card_seconds"),
+                      ("sixfold_batch_rows", "Rows (items) per executed batch", "batch_rows"))
+        for name, doc, attr in histograms:
+            family = HistogramMetricFamily(name, doc, labels=["model"])
+            for model, versions in sorted(by_model.items()):
                 parts = [getattr(m, attr).cumulative() for m in versions]
                 merged = [(le, sum(p[0][i][1] for p in parts)) for i, (le, _) in enumerate(parts[0][0])]
                 family.add_metric([model], merged, sum(p[1] for p in parts))
-        yield from (success, items, request, queue)
+            yield family
         # Triton's names (cumulative; gauges because Triton's series carry no "_total" suffix).
         names = (("nv_inference_request_success", "Successful requests (Triton name)", lambda m: m.requests),
                  ("nv_inference_count", "Inferences performed, in items (Triton name)", lambda m: m.items),
+                 ("nv_inference_exec_count", "Batches executed (Triton name)", lambda m: m.batches),
                  ("nv_inference_request_duration_us", "Cumulative request time (Triton name)",
                   lambda m: m.request_s * 1e6),
                  ("nv_inference_queue_duration_us", "Cumulative queue time (Triton name)", lambda m: m.queue_s * 1e6),

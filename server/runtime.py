@@ -50,6 +50,14 @@ class _Ewma:
         self.count += 1
 
 
+def _ewma(table: dict[int, _Ewma], bucket: int) -> _Ewma:
+    """The bucket's EWMA, made on first use (not ``setdefault``, which builds one on every call)."""
+    ewma = table.get(bucket)
+    if ewma is None:
+        ewma = table[bucket] = _Ewma()
+    return ewma
+
+
 class HostDenseTuner:
     """Which batches run their dense part on the host: those of at most ``threshold`` rows.
 
@@ -100,11 +108,11 @@ class HostDenseTuner:
         if not self.auto or rows > self.limit:
             return
         side = self._host if on_host else self._card
-        side.setdefault(self.bucket(rows), _Ewma()).add(seconds, self.alpha)
+        _ewma(side, self.bucket(rows)).add(seconds, self.alpha)
         threshold = 0
-        for b in sorted(set(self._host) & set(self._card)):
-            host, card = self._host[b], self._card[b]
-            if min(host.count, card.count) < self.min_samples:
+        for b in sorted(self._host):
+            host, card = self._host[b], self._card.get(b)
+            if card is None or min(host.count, card.count) < self.min_samples:
                 continue
             if host.value >= card.value:
                 break
@@ -233,11 +241,11 @@ class StageRunner:
             outputs, cpu_s = await loop.run_in_executor(self.executable._worker(), _timed_run, self.executable, inputs)
         finally:
             self._on_worker -= 1
-        self._worker_cpu.setdefault(bucket, _Ewma()).add(cpu_s, self.alpha)
+        _ewma(self._worker_cpu, bucket).add(cpu_s, self.alpha)
         return outputs
 
     def _record_inline(self, bucket: int, seconds: float) -> None:
-        inline = self._inline_wall.setdefault(bucket, _Ewma())
+        inline = _ewma(self._inline_wall, bucket)
         first = inline.count == 0
         inline.add(seconds, self.alpha)
         if inline.value <= self.max_inline_s:

@@ -156,14 +156,17 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.RepositoryModelUnloadResponse()
 
     @_grpc_errors
-    async def ModelInfer(self, request, context):
-        return await self._answer(request, request_timeout(request, context))
+    def ModelInfer(self, request, context):
+        # NOTE: not a coroutine of its own: it hands _answer's to the error wrapper, one frame fewer
+        # for every request to pass through when it suspends and resumes.
+        return self._answer(request, request_timeout(request, context))
 
     async def _answer(self, request: service_pb2.ModelInferRequest,
                       timeout_s: float | None) -> service_pb2.ModelInferResponse:
         """protobuf in -> core -> protobuf out: the one inference path of unary and streaming calls."""
-        model, outputs = await self.core.infer(request.model_name, request.model_version, decode_inputs(request),
-                                               requested_outputs(request), timeout_s, request_priority(request))
+        model = self.core.serving(request.model_name, request.model_version)
+        outputs = await model.infer(decode_inputs(request), requested_outputs(request), timeout_s,
+                                    request_priority(request))
         return encode_response(model.name, model.version, request.id, outputs)
 
     async def ModelStreamInfer(self, request_iterator, context):

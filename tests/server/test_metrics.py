@@ -40,3 +40,22 @@ def test_request_series_count_sum_and_bucket_like_prometheus_client():
 def test_a_server_with_no_requests_exports_no_request_samples():
     s = _samples(ServerMetrics())
     assert not [k for k in s if k[0].startswith(("sixfold_inference_request_success", "nv_inference_count"))]
+
+
+def test_batch_series_count_sum_and_bucket_like_prometheus_client():
+    metrics = ServerMetrics()
+    v1, v2 = metrics.for_model("dlrm", "1"), metrics.for_model("dlrm", "2")
+    v1.record_batch(8, 0.0004, 0.003, 16, True)
+    v1.record_batch(300, 0.02, 0.004, 16, False)
+    v2.record_batch(1, 0.0001, 0.0001, 0, True)
+    s = _samples(metrics)
+    model = (("model", "dlrm"),)
+    assert s[("sixfold_inference_exec_count_total", model)] == 3            # versions summed
+    assert s[("sixfold_host_dense_batches_total", model)] == 2
+    assert s[("sixfold_batch_rows_count", model)] == 3 and s[("sixfold_batch_rows_sum", model)] == 309
+    rows = lambda le: s[("sixfold_batch_rows_bucket", (("le", le), ("model", "dlrm")))]  # noqa: E731
+    assert (rows("1.0"), rows("8.0"), rows("256.0"), rows("512.0"), rows("+Inf")) == (1, 2, 2, 3, 3)
+    assert abs(s[("sixfold_card_stage_duration_seconds_sum", model)] - 0.0071) < 1e-12
+    assert s[("sixfold_host_stage_duration_seconds_bucket", (("le", "0.0005"), ("model", "dlrm")))] == 2
+    assert s[("nv_inference_exec_count", (("model", "dlrm"), ("version", "1")))] == 2
+    assert s[("sixfold_host_dense_max_rows", model)] == 0                   # the gauge: last value set
