@@ -197,8 +197,9 @@ class Queued:
     rows: int
     future: asyncio.Future
     enqueued: float
-    info: BatchInfo
     level: int
+    info: BatchInfo | None = None
+    """Set when its batch has run."""
     timer: asyncio.TimerHandle | None = None
     taken: bool = False
     delayed: bool = False
@@ -317,7 +318,7 @@ class DynamicBatcher:
             self._ensure_started()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        item = Queued(inputs, rows, future, self._clock(), BatchInfo(), level_no)
+        item = Queued(inputs, rows, future, self._clock(), level_no)
         timeout = level.policy.timeout_s(timeout_s) if timeout_s is not None or level.default_timeout else None
         if timeout is not None:
             item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
@@ -469,9 +470,8 @@ class DynamicBatcher:
             start = 0
             for p in batch:
                 end = start + p.rows
-                p.info.rows, p.info.requests = rows, len(batch)
-                p.info.queue_s = started - p.enqueued
-                p.info.timings = info.timings  # shared: the batch's, read only from here on
+                # NOTE: timings are the batch's, shared and read only from here on
+                p.info = BatchInfo(rows, len(batch), started - p.enqueued, info.timings)
                 if not p.future.done():
                     p.future.set_result({name: a[start:end] for name, a in outputs.items()})
                 start = end
