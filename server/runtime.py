@@ -178,12 +178,13 @@ class StageRunner:
     worker then trades the GIL with the busy loop at every op (each handoff a futex wake, and
     a wait of up to the interpreter's 5 ms switch interval): for a stage that holds the GIL
     for well under a millisecond anyway (a small torch-fx host graph, a small dense MLP) that
-    is most of its latency and costs the loop more than running it. So run times are kept per rows bucket (powers of two, as
-    ``HostDenseTuner``): a bucket whose CPU time on the worker is at most ``probe_factor`` x
-    ``max_inline_s`` tries inline runs, and keeps running inline while their wall time (what
-    the loop pays; an EWMA) stays at most ``max_inline_s``. When it goes over (the stage
-    blocks on I/O or a device, or grew), the bucket goes back to the worker for a number of
-    batches that doubles at each failed try (up to 4096), then tries again.
+    is most of its latency and costs the loop more than running it. So run times are kept per
+    rows bucket (powers of two, as ``HostDenseTuner``): a bucket whose CPU time on the worker is
+    at most ``probe_factor`` x ``max_inline_s`` tries inline runs, and keeps running inline while
+    their wall time (what the loop pays; an EWMA of samples capped at twice the limit) stays at
+    most ``max_inline_s``. When it goes over (the stage blocks on I/O or a device, or grew), the
+    bucket goes back to the worker for a number of batches that doubles at each failed try (up
+    to 4096), then tries again.
 
     Only executables that keep the default ``Executable.infer`` (``run`` on their own worker)
     run inline, and, unless they are ``thread_safe``, only while none of their batches is on
@@ -247,7 +248,11 @@ class StageRunner:
     def _record_inline(self, bucket: int, seconds: float) -> None:
         inline = _ewma(self._inline_wall, bucket)
         first = inline.count == 0
-        inline.add(seconds, self.alpha)
+        # NOTE: a sample counts at most twice the limit: on a shared machine one preemption (a few
+        # ms of wall time) would otherwise lift a 40 us stage's average over the limit and send it
+        # to the worker for a doubling number of batches; a stage that is really slow still crosses
+        # it within a few runs.
+        inline.add(min(seconds, 2 * self.max_inline_s), self.alpha)
         if inline.value <= self.max_inline_s:
             if first:
                 self._hold.pop(bucket, None)  # a try that worked: start the back-off afresh

@@ -112,3 +112,16 @@ def test_the_loop_thread_runs_ops_on_one_thread_and_other_threads_keep_the_defau
     t.join()
     assert seen == {"kept": default, "loop": 1, "worker": default}
     assert torch.get_num_threads() == default  # nothing leaked into this thread either
+
+
+async def test_one_slow_run_does_not_send_a_cheap_stage_to_its_worker() -> None:
+    """A preemption on a shared machine: one inline run takes 8x the limit, the next ones are cheap again."""
+    stage = Recorder()
+    runner = StageRunner(stage, max_inline_s=0.01)
+    await _run(runner, 3)  # worker (measured), then inline
+    stage.sleep_s = 0.08
+    await _run(runner, 1)  # counts as 0.02 (twice the limit): the average stays under it
+    stage.sleep_s = 0.0
+    await _run(runner, 2)
+    assert _on_loop(stage) == [False, True, True, True, True, True]
+    stage.close()
