@@ -71,7 +71,7 @@ class OnnxRuntimeExecutable(Executable):
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         """Feed only the partition's inputs (callers may pass more) and return its outputs."""
-        session = self._live_session()
+        self._live_session()  # raises once closed
         try:
             feed = {n: inputs[n] for n in self.input_names}
         except KeyError as exc:

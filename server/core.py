@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-import numpy as np
-
 from .errors import ModelNotFound, Unavailable
 from .model import ServedModel
 
