@@ -333,11 +333,8 @@ class DynamicBatcher:
         return item
 
     def abandon(self, item: Queued) -> None:
-        """The caller stopped waiting for ``item`` (its future raised or was cancelled): free its queue slot."""
-        self._left_queue(item)
-
-    def _left_queue(self, item: Queued) -> None:
-        """A queued request failed or its client went away: it no longer holds a queue slot."""
+        """The caller stopped waiting for ``item`` (it timed out, its batch failed, or its client went
+        away): it no longer holds a queue slot."""
         if not item.taken:
             item.taken = True  # a tombstone from now on
             self._levels[item.level].live -= 1

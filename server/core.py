@@ -48,14 +48,11 @@ class InferenceCore:
     @property
     def models(self) -> dict[str, ServedModel]:
         """The newest version of every model."""
-        return {name: self._latest(name) for name in sorted(self.versions)}
+        return {name: self._newest[name] for name in sorted(self.versions)}
 
     def all_versions(self) -> list[ServedModel]:
         return [m for name in sorted(self.versions)
                 for _, m in sorted(self.versions[name].items(), key=lambda kv: _version_key(kv[0]))]
-
-    def _latest(self, name: str) -> ServedModel:
-        return self._newest[name]
 
     def _update_newest(self, name: str) -> None:
         versions = self.versions.get(name)
