@@ -6,15 +6,22 @@ checks its type (~1.5 us), and a request records ten series and a batch seven, w
 fifth of sixfold's own time per request on the event loop. Gauges that change rarely (per-card
 rows in flight, simulation lag, the host-dense threshold) and failures stay prometheus-client
 metrics.
+
+Triton's ``nv_*`` series are written as Triton writes them: counters with no ``_total``
+suffix (prometheus-client would add one) and ``nv_inference_pending_request_count`` as a
+gauge, so Triton dashboards, alerts and autoscaling rules work unchanged. Only ``/metrics``
+answers; any other path is 404, so an HTTP probe aimed at the port cannot pass by accident.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 __all__ = ["ServerMetrics", "ModelMetrics"]
@@ -31,13 +38,9 @@ class ServerMetrics:
         self.host_dense_max_rows = Gauge("sixfold_host_dense_max_rows", "Batches of at most this many rows run their dense part on the host CPU (0: none)", ["model"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
 
-        # Triton's own names (cumulative microsecond counters), so Triton dashboards work unchanged.
-        # NOTE: Gauges that only go up: prometheus-client would export a Counter as "<name>_total",
-        # and Triton's series carry no suffix.
-        labels = ["model", "version"]
-        self.nv_failure = Gauge("nv_inference_request_failure", "Failed requests (Triton name)", [*labels, "reason"], registry=r)
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         r.register(_RequestCollector(self._models))
+        self._http: ThreadingHTTPServer | None = None
 
     def for_model(self, model: str, version: str) -> "ModelMetrics":
         """One model version's metric children, made once and then reused."""
@@ -47,9 +50,66 @@ class ServerMetrics:
             bound = self._models[key] = ModelMetrics(self, model, version)
         return bound
 
-    def serve(self, host: str, port: int) -> None:
-        """Expose /metrics over HTTP on ``host:port``."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def exposition(self) -> bytes:
+        """The Prometheus text page: prometheus-client's series, then Triton's (typed as Triton does)."""
+        return generate_latest(self.registry) + _triton_exposition(list(self._models.values())).encode()
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
+        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self})
+        server = self._http = ThreadingHTTPServer((host, port), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="sixfold-metrics", daemon=True).start()
+        return server.server_address[1]
+
+    def close(self) -> None:
+        """Stop the /metrics endpoint, if it runs."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET or HEAD /metrics answers the page; any other path is 404, any other method 405."""
+
+    metrics: ServerMetrics
+
+    def _answer(self, body: bool) -> None:
+        if self.path.split("?", 1)[0] != "/metrics":
+            self._plain(404, b"not found: metrics are served at /metrics\n", body)
+            return
+        page = self.metrics.exposition()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if body:
+            self.wfile.write(page)
+
+    def _plain(self, status: int, text: bytes, body: bool = True) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(text)))
+        if status == 405:
+            self.send_header("Allow", "GET, HEAD")
+        self.end_headers()
+        if body:
+            self.wfile.write(text)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(body=False)
+
+    def _refuse(self) -> None:
+        self._plain(405, b"method not allowed: use GET /metrics\n")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - scrapes are not news
+        pass
 
 
 class ModelMetrics:
@@ -74,6 +134,10 @@ class ModelMetrics:
         self.host_dense_max_rows = m.host_dense_max_rows.labels(model)
         self._host_dense_max_rows: int | None = None
         self._cards: dict[int, tuple] = {}
+        self.failures: dict[str, int] = {}
+        """Failed requests by reason (Triton's nv_inference_request_failure)."""
+        self.pending: Callable[[], int] = lambda: 0
+        """Requests waiting in the model's queue, read at scrape time (the served model sets it)."""
 
     def card(self, index: int) -> tuple:
         """(outstanding rows gauge, simulation lag gauge) of card ``index``."""
@@ -110,7 +174,7 @@ class ModelMetrics:
     def record_failure(self, reason: str) -> None:
         # NOTE: failures are rare; labels() per call keeps the reason set open.
         self._m.failure.labels(self.model, reason).inc()
-        self._m.nv_failure.labels(self.model, self.version, reason).inc()
+        self.failures[reason] = self.failures.get(reason, 0) + 1
 
 
 class _Buckets:
@@ -171,19 +235,47 @@ class _RequestCollector:
                 merged = [(le, sum(p[0][i][1] for p in parts)) for i, (le, _) in enumerate(parts[0][0])]
                 family.add_metric([model], merged, sum(p[1] for p in parts))
             yield family
-        # Triton's names (cumulative; gauges because Triton's series carry no "_total" suffix).
-        names = (("nv_inference_request_success", "Successful requests (Triton name)", lambda m: m.requests),
-                 ("nv_inference_count", "Inferences performed, in items (Triton name)", lambda m: m.items),
-                 ("nv_inference_exec_count", "Batches executed (Triton name)", lambda m: m.batches),
-                 ("nv_inference_request_duration_us", "Cumulative request time (Triton name)",
-                  lambda m: m.request_s * 1e6),
-                 ("nv_inference_queue_duration_us", "Cumulative queue time (Triton name)", lambda m: m.queue_s * 1e6),
-                 ("nv_inference_compute_input_duration_us",
-                  "Cumulative host-stage time (Triton name: compute input)", lambda m: m.host_s * 1e6),
-                 ("nv_inference_compute_infer_duration_us",
-                  "Cumulative card-stage time (Triton name: compute infer)", lambda m: m.card_s * 1e6))
-        for name, doc, value in names:
-            family = GaugeMetricFamily(name, doc, labels=["model", "version"])
-            for m in bound:
-                family.add_metric([m.model, m.version], value(m))
-            yield family
+
+
+# Triton's series: (name, type, help, value of one model version). Counters carry no "_total" suffix,
+# as in Triton's own exposition; the failure counter is written per reason below.
+_TRITON_SERIES: tuple[tuple[str, str, str, Callable[["ModelMetrics"], float]], ...] = (
+    ("nv_inference_request_success", "counter", "Number of successful inference requests, all batch sizes",
+     lambda m: m.requests),
+    ("nv_inference_count", "counter", "Number of inferences performed (items; a batch of N counts N)",
+     lambda m: m.items),
+    ("nv_inference_exec_count", "counter", "Number of model executions performed (batches)", lambda m: m.batches),
+    ("nv_inference_request_duration_us", "counter", "Cumulative inference request duration in microseconds",
+     lambda m: m.request_s * 1e6),
+    ("nv_inference_queue_duration_us", "counter", "Cumulative inference queuing duration in microseconds",
+     lambda m: m.queue_s * 1e6),
+    ("nv_inference_compute_input_duration_us", "counter",
+     "Cumulative compute input duration in microseconds (sixfold: the host stage)", lambda m: m.host_s * 1e6),
+    ("nv_inference_compute_infer_duration_us", "counter",
+     "Cumulative compute inference duration in microseconds (sixfold: the card stage)", lambda m: m.card_s * 1e6),
+    ("nv_inference_pending_request_count", "gauge",
+     "Instantaneous number of pending requests awaiting execution per-model", lambda m: m.pending()),
+)
+
+
+def _label_value(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _triton_exposition(models: list[ModelMetrics]) -> str:
+    """Triton's nv_* families in the Prometheus text format, one sample per model version."""
+    if not models:
+        return ""
+    lines: list[str] = []
+    for name, kind, doc, value in _TRITON_SERIES:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+        for m in models:
+            lines.append(f'{name}{{model="{_label_value(m.model)}",version="{_label_value(m.version)}"}} '
+                         f"{floatToGoString(value(m))}")
+    lines += ["# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes",
+              "# TYPE nv_inference_request_failure counter"]
+    for m in models:
+        for reason, count in sorted(m.failures.items()):
+            lines.append(f'nv_inference_request_failure{{model="{_label_value(m.model)}",'
+                         f'version="{_label_value(m.version)}",reason="{_label_value(reason)}"}} {count}')
+    return "\n".join(lines) + "\n"

@@ -33,6 +33,10 @@ class ServedModel:
     parameters: dict[str, str] = field(default_factory=dict)
     """Extra facts published in ModelConfig.parameters (table rows, pooling) for load generators."""
 
+    def __post_init__(self) -> None:
+        # Read at scrape time from the metrics thread: the queue's length, whichever batcher is set by then.
+        self._metrics.pending = lambda: self.batcher.queued if self.batcher is not None else 0
+
     # NOTE: cached: the plan does not change once served, and these are read on every request.
     @cached_property
     def input_specs(self) -> list[InputSpec]:
