@@ -75,7 +75,8 @@ def load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executabl
 def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None,
-                     min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, host_dense_max_rows: int = -1) -> ServedModel:
+                     min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, host_dense_max_rows: int = -1,
+                     allow_nonfinite: bool = False) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane."""
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
@@ -98,7 +99,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                           host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
-                         batcher=None, metrics=metrics)  # type: ignore[arg-type]
+                         batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
     served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight)
     tables = plan.tables
     if tables.get("rows"):
@@ -117,7 +118,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  table_precision: str = "fp32", backend_options: dict | None = None,
                  max_card_rows: int | None = None, sparse_on_cards: str | None = None,
                  dense_precision: str = "fp32", host_dense_max_rows: int = -1,
-                 min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS) -> ServedModel:
+                 min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -128,13 +129,14 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
         shard_tables(partitioned, sparse_on_cards)  # type: ignore[arg-type]
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
                             backend_options=backend_options, max_card_rows=max_card_rows,
-                            min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows)
+                            min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows,
+                            allow_nonfinite=allow_nonfinite)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
                          metrics: ServerMetrics, batching: BatchingConfig, backend_options: dict | None = None,
                          max_card_rows: int | None = None, host_dense_max_rows: int = -1,
-                         min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS) -> ServedModel:
+                         min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
@@ -151,6 +153,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         backend_options=extras.get("backend_options", backend_options),
         max_card_rows=extras.get("max_card_batch_rows", max_card_rows),
         min_split_rows=extras.get("min_split_rows", min_split_rows),
-        host_dense_max_rows=extras.get("host_dense_max_rows", host_dense_max_rows))
+        host_dense_max_rows=extras.get("host_dense_max_rows", host_dense_max_rows),
+        allow_nonfinite=extras.get("allow_nonfinite", allow_nonfinite))
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     return served

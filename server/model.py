@@ -32,6 +32,8 @@ class ServedModel:
     stats: ModelStats = field(default_factory=ModelStats)
     parameters: dict[str, str] = field(default_factory=dict)
     """Extra facts published in ModelConfig.parameters (table rows, pooling) for load generators."""
+    allow_nonfinite: bool = False
+    """Score dense features that are NaN or infinite (default: refuse them with INVALID_ARGUMENT)."""
 
     def __post_init__(self) -> None:
         # Read at scrape time from the metrics thread: the queue's length, whichever batcher is set by then.
@@ -83,7 +85,7 @@ class ServedModel:
         """
         t0 = time.perf_counter()
         try:
-            rows = validate_request(inputs, self.input_specs, self.table_rows)
+            rows = validate_request(inputs, self.input_specs, self.table_rows, self.allow_nonfinite)
             unknown = sorted(set(requested) - set(self.output_names)) if requested else ()
             if unknown:
                 raise InvalidInput(f"unknown output(s) {unknown}; the model has {self.output_names}")

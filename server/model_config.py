@@ -66,6 +66,13 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered not in ("true", "false"):
+        raise ValueError("must be true or false")
+    return lowered == "true"
+
+
 def _json_object(text: str) -> dict[str, Any]:
     value = json.loads(text)
     if not isinstance(value, dict):
@@ -86,6 +93,7 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.min_split_rows": _int(0),
     "sixfold.max_inflight_batches": _int(0),
     "sixfold.host_dense_max_rows": _int(-1),
+    "sixfold.allow_nonfinite": _bool,
     "sixfold.max_batch_rows": _int(1),  # what to_model_config writes when it reports max_batch_size 0
     # Facts a server publishes for load generators (read back as written).
     "sixfold.table_rows": str,

@@ -2,7 +2,9 @@
 
 Bad input must never reach a batch (it would fail every request merged with
 it), so everything a lookup could trip on is checked here: names, dtypes,
-shapes, batch sizes, lengths against ids, and each id against its table.
+shapes, batch sizes, lengths against ids, each id against its table, and (unless
+the model allows them) NaN or infinite dense features, which would be scored into a
+NaN click probability returned with status OK.
 """
 
 from __future__ import annotations
@@ -50,8 +52,24 @@ def _check_names(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> N
             raise InvalidInput(f"missing input '{spec.name}' ({spec.datatype} {list(spec.shape)})")
 
 
+def _check_finite(dense: np.ndarray) -> None:
+    """Refuse NaN and infinities, naming the first bad position."""
+    # NOTE: one float64 sum settles nearly every request: it is finite unless a value is NaN or
+    # infinite (fp32 values cannot overflow it; if fp64 ones do, the full pass below clears them).
+    # Python's sum over a short list is cheaper than a numpy reduction (see _SMALL_LENGTHS).
+    total = sum(dense.ravel().tolist()) if dense.size <= _SMALL_DENSE else float(dense.sum(dtype=np.float64))
+    if total - total == 0.0:
+        return
+    bad = np.argwhere(~np.isfinite(dense))
+    if len(bad):
+        where = bad[0].tolist()
+        raise InvalidInput(f"input '{DENSE}': non-finite value {float(dense[tuple(where)])} at {where} "
+                           f"({len(bad)} in all); the model refuses NaN and infinity (serve it with "
+                           "--allow-nonfinite to score them)")
+
+
 def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
-                     table_rows: Sequence[int] | None) -> int:
+                     table_rows: Sequence[int] | None, allow_nonfinite: bool = False) -> int:
     """Validate in place; returns the number of items (rows) in the request."""
     if len(inputs) != len(specs) or any(s.name not in inputs for s in specs):
         _check_names(inputs, specs)
@@ -66,6 +84,8 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
     rows = dense.shape[0]
     if lengths.shape[0] != rows:
         raise InvalidInput(f"batch sizes disagree: '{DENSE}' has {rows} rows, '{LENGTHS}' has {lengths.shape[0]}")
+    if not allow_nonfinite and dense.size:
+        _check_finite(dense)
     # NOTE: a numpy reduction costs ~1.5 us however small its array; below a few dozen values
     # Python's min/sum/max over a list are cheaper (measured crossover: ~100 lengths, ~40 ids).
     if lengths.size <= _SMALL_LENGTHS:
@@ -101,7 +121,7 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
     return rows
 
 
-_SMALL_LENGTHS, _SMALL_IDS = 96, 32
+_SMALL_LENGTHS, _SMALL_IDS, _SMALL_DENSE = 96, 32, 64
 """Arrays of at most this many values are checked with Python's builtins on a list (see validate_request)."""
 
 

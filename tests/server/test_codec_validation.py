@@ -97,10 +97,30 @@ def test_invalid_requests_name_the_field(mutate, message: str, path: str, monkey
     if path == "numpy":  # the checks for arrays too large for the list path, on the same requests
         monkeypatch.setattr(validation, "_SMALL_LENGTHS", 0)
         monkeypatch.setattr(validation, "_SMALL_IDS", 0)
+        monkeypatch.setattr(validation, "_SMALL_DENSE", 0)
     request = _good()
     mutate(request)
     with pytest.raises(InvalidInput, match=message):
         validate_request(request, SPECS, ROWS)
+
+
+def _with_dense(value: float, at: tuple[int, int]) -> dict[str, np.ndarray]:
+    request = _good()
+    request["dense_features"][at] = value
+    return request
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("path", ["lists", "numpy"])
+def test_non_finite_dense_features_are_refused_naming_the_first_position(value: float, path: str,
+                                                                         monkeypatch) -> None:
+    if path == "numpy":
+        monkeypatch.setattr(validation, "_SMALL_DENSE", 0)
+    request = _with_dense(value, (1, 2))
+    request["dense_features"][1, 1] = value
+    with pytest.raises(InvalidInput, match=rf"'dense_features': non-finite value {value} at \[1, 1\] \(2 in all\)"):
+        validate_request(request, SPECS, ROWS)
+    assert validate_request(_with_dense(value, (1, 2)), SPECS, ROWS, allow_nonfinite=True) == 2
 
 
 def test_an_empty_query_is_valid() -> None:

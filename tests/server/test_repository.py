@@ -243,3 +243,19 @@ def test_cli_serves_a_repository(tmp_path, source):
     finally:
         proc.kill()
     assert '"event": "model_ready"' in proc.output
+
+
+def test_a_config_may_let_a_model_score_non_finite_features(tmp_path, source):
+    """sixfold.allow_nonfinite in config.pbtxt: that model scores NaN features; the others refuse them."""
+    repo = _repo(tmp_path, source, {"lenient": [0], "strict": [0]})
+    (repo / "lenient" / "config.pbtxt").write_text(
+        'parameters { key: "sixfold.allow_nonfinite" value { string_value: "true" } }\n')
+    request = _request(3)
+    request["dense_features"][1, 0] = np.nan
+    with _Server(repo, explicit=False) as server:
+        client = grpcclient.InferenceServerClient(server.background.url)
+        scores, _ = _infer(client, "lenient", request)
+        assert np.isnan(scores[1, 0]) and np.isfinite(scores[[0, 2]]).all()
+        with pytest.raises(InferenceServerException, match="'dense_features': non-finite value nan at \\[1, 0\\]"):
+            _infer(client, "strict", request)
+        client.close()
