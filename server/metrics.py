@@ -16,6 +16,8 @@ answers; any other path is 404, so an HTTP probe aimed at the port cannot pass b
 from __future__ import annotations
 
 import bisect
+import hmac
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,11 +56,24 @@ class ServerMetrics:
         """The Prometheus text page: prometheus-client's series, then Triton's (typed as Triton does)."""
         return generate_latest(self.registry) + _triton_exposition(list(self._models.values())).encode()
 
-    def serve(self, host: str, port: int) -> int:
-        """Expose /metrics over HTTP on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
-        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self})
+    def serve(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
+              token: str | None = None) -> int:
+        """Expose /metrics on ``host:port`` (0: a free port) in a daemon thread; returns the port.
+
+        With ``tls_cert``/``tls_key`` it is served over HTTPS only (the same files as gRPC's TLS),
+        and with ``token`` a scrape must send ``Authorization: Bearer <token>`` (Prometheus'
+        ``authorization`` scrape setting), so a server that encrypts its traffic does not leave
+        its metrics open in plaintext beside it.
+        """
+        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self, "token": token})
         server = self._http = ThreadingHTTPServer((host, port), handler)
         server.daemon_threads = True
+        if tls_cert and tls_key:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls_cert, tls_key)
+            # NOTE: the handshake happens in each connection's thread, so a client that never
+            # finishes one cannot stall the accept loop.
+            server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
         threading.Thread(target=server.serve_forever, name="sixfold-metrics", daemon=True).start()
         return server.server_address[1]
 
@@ -71,13 +86,19 @@ class ServerMetrics:
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):
-    """GET or HEAD /metrics answers the page; any other path is 404, any other method 405."""
+    """GET or HEAD /metrics answers the page; any other path is 404, any other method 405,
+    and a missing or wrong bearer token (when one is set) 401."""
 
     metrics: ServerMetrics
+    token: str | None = None
 
     def _answer(self, body: bool) -> None:
         if self.path.split("?", 1)[0] != "/metrics":
             self._plain(404, b"not found: metrics are served at /metrics\n", body)
+            return
+        if self.token is not None and not hmac.compare_digest(
+                self.headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
+            self._plain(401, b"metrics need the header 'Authorization: Bearer <token>' (--metrics-token)\n", body)
             return
         page = self.metrics.exposition()
         self.send_response(200)
@@ -93,6 +114,8 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(text)))
         if status == 405:
             self.send_header("Allow", "GET, HEAD")
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
         self.end_headers()
         if body:
             self.wfile.write(text)

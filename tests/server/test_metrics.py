@@ -171,3 +171,42 @@ async def test_pending_requests_are_the_model_queue_length():
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert pending() == 0
     await batcher.close()
+
+
+def test_metrics_over_tls_with_a_token(tmp_path):
+    """With TLS the page is served over HTTPS only; with a token a scrape must carry it."""
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    metrics = ServerMetrics()
+    metrics.for_model("rm2", "1").record_success(2, 0.001, 0, 0, 0)
+    port = metrics.serve("127.0.0.1", 0, tls_cert=str(cert), tls_key=str(key), token="t0k")
+    trusted = ssl.create_default_context(cafile=str(cert))
+    url = f"https://127.0.0.1:{port}/metrics"
+
+    def scrape(headers: dict[str, str]) -> tuple[int, bytes]:
+        request = urllib.request.Request(url, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=trusted) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    import socket
+
+    silent = socket.create_connection(("127.0.0.1", port), timeout=5)  # connects, never says hello
+    try:
+        status, body = scrape({"Authorization": "Bearer t0k"})   # answered all the same
+        assert status == 200 and b'nv_inference_count{model="rm2",version="1"} 2.0' in body
+        status, body = scrape({})
+        assert status == 401 and b"Authorization: Bearer" in body
+        assert scrape({"Authorization": "Bearer wrong"})[0] == 401
+        with pytest.raises(OSError):  # plaintext HTTP gets no page (the connection is reset)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    finally:
+        silent.close()
+        metrics.close()
