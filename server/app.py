@@ -1,4 +1,8 @@
-"""The gRPC server process: KServe v2 servicer + grpc.health.v1 + metrics, with graceful shutdown."""
+"""The server process: KServe v2 over gRPC (+ grpc.health.v1) and REST, metrics, graceful shutdown.
+
+Both front ends run on one event loop over one InferenceCore; REST is optional
+(``ServerConfig.http_port``).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from .allocator import keep_freed_memory
 from .core import InferenceCore
+from .http_app import build_app
+from .http_server import RestServer
 from .metrics import ServerMetrics
 from .runtime import single_threaded_ops_here
 from .servicer import InferenceServicer
@@ -32,6 +38,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 8001
     """0 picks a free port (``SixfoldServer.port`` tells which)."""
+    http_port: int | None = None
+    """KServe v2 REST port (Triton's is 8000; sixfold-serve's default); None: no REST endpoint
+    (the library default, so servers in one process never collide); 0: a free port
+    (``SixfoldServer.http_port`` tells which)."""
     metrics_port: int | None = 8002
     """None disables the metrics endpoint."""
     max_message_bytes: int = 1 << 30
@@ -50,6 +60,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535 or None, got {self.http_port}")
         if self.max_message_bytes < 1 << 20:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -60,7 +72,10 @@ class SixfoldServer:
     def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.core, self.config, self.metrics = core, config, metrics
         self.port: int | None = None
+        self.http_port: int | None = None
+        """The bound REST port, once started with ``config.http_port`` set."""
         self._server: grpc.aio.Server | None = None
+        self._rest: RestServer | None = None
         self._health = HealthServicer()
 
     async def start(self) -> int:
@@ -82,6 +97,16 @@ class SixfoldServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port}")
         await server.start()
+        if self.config.http_port is not None:
+            app = build_app(self.core, max_body_bytes=self.config.max_message_bytes,
+                            control_token=self.config.control_token)
+            self._rest = RestServer(app, self.config.host, self.config.http_port, tls_cert=self.config.tls_cert,
+                                    tls_key=self.config.tls_key, grace_seconds=self.config.grace_seconds)
+            try:
+                self.http_port = await self._rest.start()
+            except BaseException:
+                await server.stop(None)
+                raise
         for name in ("", _SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
@@ -100,6 +125,8 @@ class SixfoldServer:
         while loop.time() < deadline and (
                 self.core.active_rpcs or time.monotonic() - self.core.last_rpc_at < self.config.quiet_seconds):
             await asyncio.sleep(0.02)
+        if self._rest is not None:
+            await self._rest.stop()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
 
@@ -119,6 +146,11 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         return f"{self.server.config.host}:{self.server.port}"
+
+    @property
+    def http_url(self) -> str:
+        """``HOST:PORT`` of the REST endpoint, as tritonclient.http takes it ("" when REST is off)."""
+        return "" if self.server.http_port is None else f"{self.server.config.host}:{self.server.http_port}"
 
     def start(self) -> "BackgroundServer":
         self._thread.start()

@@ -1,4 +1,4 @@
-"""sixfold-serve: serve a recommendation model on host + N cards over KServe v2 gRPC until stopped."""
+"""sixfold-serve: serve a recommendation model on host + N cards over KServe v2 gRPC and REST until stopped."""
 
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(built-in models; default: all tables on the host)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="KServe v2 REST port (default 8000, as Triton; 0: pick a free one; -1: off)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
-    p.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and REST over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--max-message-mb", type=int, default=1024, help="largest request/response in MiB (default 1024)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
@@ -114,6 +116,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                               priority_levels=args.priority_levels,
                               default_priority_level=args.default_priority_level or args.priority_levels)
     config = ServerConfig(host=args.host, grpc_port=args.grpc_port,
+                          http_port=None if args.http_port < 0 else args.http_port,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           control_token=args.control_token or None)
@@ -159,7 +162,10 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     metrics_at = f"http://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
     serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
                         for m in core.all_versions())
-    console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port}; metrics {metrics_at}")
+    scheme = "https" if config.tls_cert else "http"
+    rest_at = f"{scheme}://{args.host}:{server.http_port}/v2" if server.http_port is not None else "off"
+    console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} (gRPC); "
+                  f"REST {rest_at}; metrics {metrics_at}", soft_wrap=True)
     console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

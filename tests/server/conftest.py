@@ -25,6 +25,11 @@ class Served:
     def url(self) -> str:
         return self.background.url
 
+    @property
+    def http_url(self) -> str:
+        """``HOST:PORT`` of the same server's KServe v2 REST endpoint."""
+        return self.background.http_url
+
     def expected(self, request: dict[str, np.ndarray]) -> np.ndarray:
         """The unpartitioned model's scores for ``request``."""
         with torch.inference_mode():
@@ -40,7 +45,7 @@ def served_rm2():
                               batching=BatchingConfig(max_batch_rows=1024, max_queue_delay_microseconds=2000))
     metrics_port = free_port()
     background = BackgroundServer(InferenceCore([served]),
-                                  ServerConfig(grpc_port=0, metrics_port=metrics_port), metrics).start()
+                                  ServerConfig(grpc_port=0, http_port=0, metrics_port=metrics_port), metrics).start()
     try:
         yield Served(model, background, metrics_port)
     finally:

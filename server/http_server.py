@@ -1,0 +1,70 @@
+"""Run the REST app with uvicorn on the running event loop (the one grpc.aio serves on).
+
+The socket is bound here, so a busy port is an OSError naming it (uvicorn would
+``sys.exit``), and uvicorn installs no signal handlers: the CLI owns SIGINT and
+SIGTERM and stops both front ends in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+__all__ = ["RestServer"]
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: uvicorn would replace the process's SIGINT/SIGTERM handlers while it serves.
+        yield
+
+
+class RestServer:
+    """uvicorn serving an ASGI app on ``host:port`` (0: a free port), HTTPS when given cert and key."""
+
+    def __init__(self, app, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
+                 grace_seconds: float = 10.0) -> None:
+        self.host, self.requested_port = host, port
+        self.port: int | None = None
+        self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
+                                     server_header=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                                     timeout_graceful_shutdown=max(1, int(grace_seconds)))
+        self._server = _EmbeddedUvicorn(self.config)
+        self._task: asyncio.Task | None = None
+
+    def _bind(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            return socket.create_server((self.host, self.requested_port), family=family)
+        except OSError as exc:
+            raise OSError(f"REST: could not bind {self.host}:{self.requested_port}: {exc.strerror or exc}") from None
+
+    async def start(self, timeout_s: float = 30.0) -> int:
+        """Bind, start serving, and return the bound port once uvicorn accepts connections."""
+        sock = self._bind()
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                self._task.result()  # raises what stopped it
+                raise OSError(f"REST server on {self.host}:{self.port} stopped while starting")
+            if loop.time() > deadline:
+                raise TimeoutError(f"REST server on {self.host}:{self.port} did not start in {timeout_s:.0f}s")
+            await asyncio.sleep(0.005)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, let open requests finish (up to the grace), close connections."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._task = None
