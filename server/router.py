@@ -1,6 +1,9 @@
 """Router: sends each batch to the card with the fewest outstanding rows (ties: least recently used).
 
 Counting rows, not batches, matters because a batch can hold 1 or 1000 items.
+Each card also carries the expected seconds of the work it holds
+(``outstanding_s``), so the runtime can give a batch a hang deadline that
+includes its wait behind the card's earlier batches.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ class NoHealthyCard(RuntimeError):
 class CardLoad:
     outstanding_rows: int = 0
     outstanding_batches: int = 0
+    outstanding_s: float = 0.0
+    """Expected card seconds of the batches outstanding (the runtime's cost-model price)."""
     last_used: int = -1
     batches: int = 0
     rows: int = 0
@@ -33,12 +38,16 @@ class LeastLoadedRouter:
         self.loads = [CardLoad() for _ in range(cards)]
         self._tick = itertools.count()
 
-    def acquire(self, rows: int, exclude: frozenset[int] | set[int] = frozenset()) -> int:
-        """Pick a healthy card (not in ``exclude``) for a batch of ``rows``; count it as outstanding."""
-        candidates = [i for i, load in enumerate(self.loads) if load.healthy and i not in exclude]
+    def acquire(self, rows: int, exclude: frozenset[int] | set[int] = frozenset(), *,
+                idle_only: bool = False) -> int:
+        """Pick a healthy card (not in ``exclude``; with ``idle_only``, holding no batch) for a batch
+        of ``rows``; count it as outstanding."""
+        candidates = [i for i, load in enumerate(self.loads) if load.healthy and i not in exclude
+                      and not (idle_only and load.outstanding_batches)]
         if not candidates:
             down = [i for i, load in enumerate(self.loads) if not load.healthy]
-            raise NoHealthyCard(f"no healthy card left for this batch (out of rotation: {down}, tried: {sorted(exclude)})")
+            raise NoHealthyCard(f"no {'idle ' if idle_only else ''}healthy card left for this batch "
+                                f"(out of rotation: {down}, tried: {sorted(exclude)})")
         index = min(candidates, key=lambda i: (self.loads[i].outstanding_rows, self.loads[i].last_used))
         load = self.loads[index]
         load.outstanding_rows += rows
@@ -46,10 +55,19 @@ class LeastLoadedRouter:
         load.last_used = next(self._tick)
         return index
 
-    def release(self, index: int, rows: int) -> None:
+    def charge(self, index: int, seconds: float) -> float:
+        """Add a just-acquired batch's expected ``seconds`` to card ``index``; returns the seconds queued ahead of it."""
+        load = self.loads[index]
+        ahead = load.outstanding_s
+        load.outstanding_s += seconds
+        return ahead
+
+    def release(self, index: int, rows: int, seconds: float = 0.0) -> None:
         load = self.loads[index]
         load.outstanding_rows -= rows
         load.outstanding_batches -= 1
+        # NOTE: float sums drift; an idle card holds exactly nothing
+        load.outstanding_s = load.outstanding_s - seconds if load.outstanding_batches else 0.0
         load.batches += 1
         load.rows += rows
 

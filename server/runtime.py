@@ -1,8 +1,15 @@
 """Runs one batch through a plan: host (sparse) stage, then the dense stage on a routed card.
 
-A card that fails or hangs is taken out of rotation, its batch is retried once on
-another healthy card (else the batch fails with UNAVAILABLE), and the card is
-restarted in the background (closed and loaded again) before it rejoins.
+Card health (``server.card_health``): each card batch gets a hang deadline from
+the cost model's expected time for it on that card (a multiple of it, at least
+a floor). A batch still running at its hedge point is copied to an idle
+healthy card, first answer wins. A card that fails, or passes the deadline, is
+taken out of rotation, its batch is retried once on another healthy card, and
+the card is restarted in the background (closed, loaded again, and probed with
+a one-item batch) before it rejoins; repeated failures back off. When no card
+can answer in time (every card hung or restarting), the batch's dense part
+runs on the host CPU if a host dense executable exists, else it fails at once
+with UNAVAILABLE naming each card's state.
 
 Small batches may run their dense part on the host CPU instead (DeepRecSys:
 for a few items a card's transfers and queue cost more than the host's
@@ -18,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -27,7 +34,9 @@ from backends.api import Arrays, Executable
 from models import DENSE
 
 from .batcher import BatchInfo
-from .errors import InternalError, ServingError, Unavailable
+from .card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
+                          expected_card_seconds, one_item)
+from .errors import InternalError, ServingError
 from .router import LeastLoadedRouter, NoHealthyCard
 
 __all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
@@ -35,6 +44,8 @@ __all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "HostDenseTuner", "StageRunn
 log = logging.getLogger(__name__)
 
 ReloadCard = Callable[[int], Executable]
+CardFault = Callable[[int, str], None]
+"""Told (card index, kind) of every card fault: "late" (hedge point passed), "hang", "error"."""
 DEFAULT_MIN_SPLIT_ROWS = 64
 """A batch of at least twice this many rows is split over idle cards (``PlanRuntime``)."""
 T = TypeVar("T")
@@ -275,17 +286,50 @@ def _batch_items(inputs: Arrays, info: BatchInfo) -> int:
     return (inputs[DENSE] if DENSE in inputs else next(iter(inputs.values()))).shape[0]
 
 
+@dataclass(eq=False)
+class _Attempt:
+    """One card running (a copy of) a batch's dense part."""
+
+    index: int
+    rows: int
+    expected_s: float
+    """This batch's own expected card seconds (given back to the router when it ends)."""
+    hang_after: float
+    deadline: float
+    """Loop time at which the card counts as hung."""
+    hedge_at: float | None
+    task: asyncio.Future = field(repr=False)
+
+
+def _cancel(tasks: Sequence[asyncio.Future]) -> None:
+    """Cancel tasks from their loop's thread or any other (``close`` may run in a worker thread)."""
+    for task in tasks:
+        loop = task.get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            task.cancel()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
+
+
 class PlanRuntime:
     """Host executable + one dense executable per card, joined by the router.
 
-    ``reload_card(i)`` loads card ``i`` afresh (used to restart a failed card);
-    ``card_timeout_s`` is how long a card may take on one batch before it is
-    considered hung. ``host_dense`` is the dense partition loaded on the host
+    ``reload_card(i)`` loads card ``i`` afresh (used to restart a failed card). A card batch's
+    hang deadline is ``max(card_timeout_floor_s, card_timeout_multiple x expected)`` capped at
+    ``card_timeout_s``, where ``expected`` is the cost model's time for the batch (and the work
+    queued ahead of it) on that card's ``DeviceSpec``; at ``hedge_fraction`` of it a copy goes to
+    an idle card (0: never). ``on_card_fault(card, kind)`` hears every fault ("late", "hang",
+    "error"). ``host_dense`` is the dense partition loaded on the host
     CPU (e.g. the dense ONNX on onnxruntime with the host spec); batches of at
     most ``host_dense_max_rows`` rows run there (-1: tuned from measured
     latencies up to ``host_dense_auto_limit`` rows; 0: never). If it fails, the
-    batch goes to a card. Host and host-dense batches whose measured run time is at most
-    ``max_inline_s`` run on the event loop itself (``StageRunner``; 0: never).
+    batch goes to a card. When the cards cannot answer a batch (every card unhealthy, or its
+    first card hung), it runs there too (``dense_fallback``). Host and host-dense batches whose
+    measured run time is at most ``max_inline_s`` run on the event loop itself (``StageRunner``; 0: never).
 
     A batch of more than ``max_card_rows`` rows is split across cards. So is a batch of at
     least 2 x ``min_split_rows`` rows when cards are idle: into as many equal parts as there
@@ -295,7 +339,10 @@ class PlanRuntime:
     """
 
     def __init__(self, host: Executable, cards: Sequence[Executable], *, reload_card: ReloadCard | None = None,
-                 card_timeout_s: float = 30.0, max_card_rows: int | None = None,
+                 card_timeout_s: float = 30.0, card_timeout_multiple: float = 10.0,
+                 card_timeout_floor_s: float = 0.5, hedge_fraction: float = 0.25, max_card_attempts: int = 2,
+                 restart_backoff_s: float = 0.5, dense_fallback: bool = True,
+                 on_card_fault: CardFault | None = None, max_card_rows: int | None = None,
                  min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS,
                  host_dense: Executable | None = None, host_dense_max_rows: int = -1,
                  host_dense_auto_limit: int = 256, host_dense_explore_every: int = 20,
@@ -305,7 +352,22 @@ class PlanRuntime:
         self.cards = list(cards)
         self.router = LeastLoadedRouter(len(self.cards))
         self.reload_card = reload_card
-        self.card_timeout_s = card_timeout_s
+        self.deadlines = CardDeadlines(card_timeout_multiple, card_timeout_floor_s, card_timeout_s, hedge_fraction)
+        if max_card_attempts < 1 or restart_backoff_s < 0:
+            raise ValueError(f"max_card_attempts must be >= 1 (got {max_card_attempts}) and restart_backoff_s "
+                             f">= 0 (got {restart_backoff_s})")
+        self.max_card_attempts = max_card_attempts
+        self.restart_backoff_s = restart_backoff_s
+        self.dense_fallback = dense_fallback
+        self.on_card_fault = on_card_fault
+        self.card_state = ["healthy"] * len(self.cards)
+        """What each card is doing, in words (named in UNAVAILABLE errors and logs)."""
+        self.fault_counts: dict[tuple[int, str], int] = {}
+        """(card, kind) -> faults seen; kinds as ``on_card_fault``'s."""
+        self.hedges = self.hedge_wins = self.host_fallbacks = 0
+        self._strikes = [0] * len(self.cards)
+        self._probe: tuple[Arrays, int] | None = None
+        self._watchers: set[asyncio.Future] = set()
         if max_card_rows is not None and max_card_rows < 1:
             raise ValueError(f"max_card_rows must be >= 1, got {max_card_rows}")
         self.max_card_rows = max_card_rows
@@ -323,9 +385,18 @@ class PlanRuntime:
             host_dense_max_rows, limit=host_dense_auto_limit, explore_every=host_dense_explore_every)
 
     @property
+    def card_timeout_s(self) -> float:
+        """The longest a card may take on one batch, whatever its expected time."""
+        return self.deadlines.cap_s
+
+    @property
     def host_dense_max_rows(self) -> int:
         """Batches of at most this many rows run their dense part on the host now (0: none)."""
         return self.host_dense_tuner.threshold if self.host_dense_tuner is not None else 0
+
+    @property
+    def _can_fall_back(self) -> bool:
+        return self.dense_fallback and self._host_dense_runner is not None
 
     async def run(self, inputs: Arrays, info: BatchInfo) -> Arrays:
         rows = _batch_items(inputs, info)
@@ -351,7 +422,7 @@ class PlanRuntime:
                 index, outputs = await self._card_stage(card_inputs, rows)
             else:
                 index, outputs = await self._split_across_cards(card_inputs, rows, parts)
-            if tuner is not None:  # split or not: what the cards' path gave this batch
+            if tuner is not None and index >= 0:  # split or not: what the cards' path gave this batch
                 tuner.record(rows, self._clock() - t_card, on_host=False)
         t2 = self._clock()
         info.timings.update(host_s=t1 - t0, card_s=t2 - t1, card=float(index))
@@ -375,6 +446,8 @@ class PlanRuntime:
     def parts(self, rows: int) -> int:
         """Into how many sub-batches a batch of ``rows`` rows goes now (see the class docstring)."""
         need = 1 if self.max_card_rows is None else -(-rows // self.max_card_rows)
+        if self._can_fall_back and not any(load.healthy for load in self.router.loads):
+            return 1  # every card is out: the whole batch goes to the host at once
         if not self.min_split_rows or rows < 2 * self.min_split_rows:
             return need
         idle = sum(1 for load in self.router.loads if load.healthy and not load.outstanding_rows)
@@ -404,53 +477,220 @@ class PlanRuntime:
         return results[0][0], outputs
 
     async def _card_stage(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
+        """The batch's dense part on a card, hedged, retried, or on the host: -> (card index or -1, outputs).
+
+        At most ``max_card_attempts`` cards run it (the first, a hedged copy or a retry). Once the
+        first card is past its hang deadline, a host fallback (when there is one) answers instead
+        of waiting on a second card; a copy still running is left to finish (or hang) on its own.
+        """
+        loop = asyncio.get_running_loop()
+        running: list[_Attempt] = []
         tried: set[int] = set()
-        errors: list[str] = []
-        for _ in range(2):  # the first card, then one retry elsewhere
+        failures: list[tuple[str, str]] = []  # (kind, what happened)
+        first: _Attempt | None = None
+        hedge_at: float | None = None
+        try:
+            while True:
+                if not running:
+                    if len(tried) >= self.max_card_attempts or (first is not None and self._can_fall_back
+                                                                 and loop.time() >= first.deadline):
+                        break
+                    attempt = self._start(card_inputs, rows, tried, idle_only=False)
+                    if attempt is None:
+                        break
+                    running.append(attempt)
+                    if first is None:
+                        first, hedge_at = attempt, attempt.hedge_at
+                assert first is not None
+                wake = min(a.deadline for a in running)
+                if hedge_at is not None:
+                    wake = min(wake, hedge_at)
+                if self._can_fall_back:
+                    wake = min(wake, first.deadline)
+                done, _ = await asyncio.wait([a.task for a in running], timeout=max(0.0, wake - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for attempt in [a for a in running if a.task in done]:
+                    running.remove(attempt)
+                    self.router.release(attempt.index, rows, attempt.expected_s)
+                    exc = attempt.task.exception()
+                    if exc is None:
+                        self._served(attempt, card_inputs, rows, hedged=attempt is not first)
+                        for other in running:  # the slower copy: its answer is dropped, its card still watched
+                            self._watch(other)
+                        running.clear()
+                        return attempt.index, attempt.task.result()
+                    text = f"card{attempt.index} failed ({type(exc).__name__}: {exc})"
+                    failures.append(("error", text))
+                    self._fault(attempt.index, "error", text)
+                now = loop.time()
+                for attempt in [a for a in running if now >= a.deadline]:
+                    running.remove(attempt)
+                    attempt.task.cancel()
+                    self.router.release(attempt.index, rows, attempt.expected_s)
+                    text = f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)"
+                    failures.append(("hang", text))
+                    self._fault(attempt.index, "hang", text)
+                if hedge_at is not None and now >= hedge_at:
+                    hedge_at = None
+                    if running:
+                        self._fault(running[0].index, "late", "")
+                        if len(tried) < self.max_card_attempts:
+                            hedge = self._start(card_inputs, rows, tried, idle_only=True)
+                            if hedge is not None:
+                                self.hedges += 1
+                                running.append(hedge)
+                if running and self._can_fall_back and now >= first.deadline:
+                    for attempt in running:
+                        self._watch(attempt)
+                    running.clear()
+                    break
+        except BaseException:  # cancelled (server closing) or a bug: no card keeps this batch's load
+            for attempt in running:
+                attempt.task.cancel()
+                self.router.release(attempt.index, rows, attempt.expected_s)
+            raise
+        return -1, await self._fall_back(card_inputs, rows, failures)
+
+    def _start(self, card_inputs: Arrays, rows: int, tried: set[int], *, idle_only: bool) -> _Attempt | None:
+        """Send the batch to a healthy card not yet tried (None: there is none)."""
+        try:
+            index = self.router.acquire(rows, exclude=tried, idle_only=idle_only)
+        except NoHealthyCard:
+            return None
+        tried.add(index)
+        card = self.cards[index]
+        inputs = {n: card_inputs[n] for n in card.input_names}
+        own = expected_card_seconds(card, rows, inputs)
+        hang_after = self.deadlines.hang_after(self.router.charge(index, own) + own)
+        hedge_after = self.deadlines.hedge_after(self.router.loads[index].outstanding_s)
+        now = asyncio.get_running_loop().time()
+        if self._probe is None:
+            self._probe = (inputs, rows)
+        return _Attempt(index, rows, own, hang_after, now + hang_after,
+                        None if hedge_after is None else now + hedge_after, asyncio.ensure_future(card.infer(inputs)))
+
+    def _served(self, attempt: _Attempt, card_inputs: Arrays, rows: int, hedged: bool) -> None:
+        self._strikes[attempt.index] = 0
+        self._probe = (card_inputs, rows)
+        self.hedge_wins += hedged
+
+    def _watch(self, attempt: _Attempt) -> None:
+        """Let a copy no batch waits for run out: its card is released when it ends, taken out if it hangs."""
+        async def watch() -> None:
+            loop = asyncio.get_running_loop()
             try:
-                index = self.router.acquire(rows, exclude=tried)
-            except NoHealthyCard as exc:
-                raise Unavailable(f"{exc}; earlier failures: {errors}") from None
-            tried.add(index)
-            card = self.cards[index]
-            try:
-                outputs = await _within(card.infer({n: card_inputs[n] for n in card.input_names}),
-                                        self.card_timeout_s)
-                return index, outputs
-            except asyncio.TimeoutError:
-                errors.append(f"card{index} hung (> {self.card_timeout_s:.1f}s)")
-            except Exception as exc:  # noqa: BLE001 - any card failure takes the card out
-                errors.append(f"card{index}: {exc}")
+                await asyncio.wait([attempt.task], timeout=max(0.0, attempt.deadline - loop.time()))
             finally:
-                self.router.release(index, rows)
-            self._take_out(index, errors[-1])
-        raise Unavailable(f"batch failed on two cards: {'; '.join(errors)}")
+                self.router.release(attempt.index, attempt.rows, attempt.expected_s)
+                if not attempt.task.done():
+                    attempt.task.cancel()
+                    text = f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)"
+                    self._fault(attempt.index, "hang", text)
+                elif not attempt.task.cancelled() and attempt.task.exception() is not None:
+                    exc = attempt.task.exception()
+                    self._fault(attempt.index, "error", f"card{attempt.index} failed ({type(exc).__name__}: {exc})")
+                else:
+                    self._strikes[attempt.index] = 0
+
+        task = asyncio.ensure_future(watch())
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _fall_back(self, card_inputs: Arrays, rows: int, failures: list[tuple[str, str]]) -> Arrays:
+        """No card answered: the dense part on the host CPU, else UNAVAILABLE naming what happened."""
+        states = "; ".join(f"card{i} {state}" for i, state in enumerate(self.card_state))
+        if not self._can_fall_back:
+            if not failures:
+                raise NoHealthyCardLeft(f"all {len(self.cards)} cards unhealthy: {states}")
+            kind = CardHang if any(k == "hang" for k, _ in failures) else CardError
+            raise kind(f"batch failed on {len(failures)} card(s): {'; '.join(t for _, t in failures)} "
+                       f"(cards now: {states})")
+        runner = self._host_dense_runner
+        assert runner is not None
+        try:
+            outputs = await runner.infer({n: card_inputs[n] for n in runner.input_names}, rows)
+        except Exception as exc:  # noqa: BLE001 - named in the client's error
+            raise HostFallbackError(f"no card could answer ({states}) and the host dense fallback failed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        self.host_fallbacks += 1
+        if self.host_fallbacks == 1 or failures:
+            log.warning("a %d-row batch's dense part ran on the host: %s", rows,
+                        "; ".join(t for _, t in failures) or f"no healthy card ({states})")
+        return outputs
+
+    def _fault(self, index: int, kind: str, why: str) -> None:
+        """Count a card fault; a hang or an error takes the card out (and restarts it)."""
+        self._count(index, kind)
+        if kind in ("hang", "error"):
+            self._take_out(index, why)
 
     def _take_out(self, index: int, why: str) -> None:
         if not self.router.loads[index].healthy:
             return
         self.router.mark_down(index)
+        self._strikes[index] += 1
+        restarting = self.reload_card is not None
+        self.card_state[index] = f"{why.removeprefix(f'card{index} ')}{', restarting' if restarting else ''}"
         log.warning("card%d out of rotation: %s", index, why)
-        if self.reload_card is not None:
+        if restarting:
             task = asyncio.ensure_future(self._restart(index))
             self._restarts.add(task)
             task.add_done_callback(self._restarts.discard)
 
     async def _restart(self, index: int) -> None:
-        old = self.cards[index]
-        try:
-            await asyncio.to_thread(old.close)
-            assert self.reload_card is not None
-            self.cards[index] = await asyncio.to_thread(self.reload_card, index)
-        except Exception:  # noqa: BLE001 - stays out of rotation; the others keep serving
-            log.exception("card%d could not be restarted; it stays out of rotation", index)
-            return
+        """Close, reload and probe the card until it answers; waits double after each failed try."""
+        while True:
+            strikes = self._strikes[index]
+            delay = 0.0 if strikes <= 1 else min(self.deadlines.cap_s, self.restart_backoff_s * 2 ** (strikes - 2))
+            if delay:
+                self.card_state[index] += f" (try {strikes} in {delay:.1f} s)"
+                await asyncio.sleep(delay)
+            old = self.cards[index]
+            try:
+                await asyncio.to_thread(old.close)
+                assert self.reload_card is not None
+                self.cards[index] = await asyncio.to_thread(self.reload_card, index)
+            except Exception as exc:  # noqa: BLE001 - stays out of rotation; the others keep serving
+                log.exception("card%d could not be restarted; it stays out of rotation", index)
+                self.card_state[index] = f"restart failed ({type(exc).__name__}: {exc})"
+                return
+            why = await self._probe_card(index)
+            if why is None:
+                break
+            self._strikes[index] += 1
+            self.card_state[index] = f"{why} after a restart, restarting"
+            log.warning("card%d failed its probe after a restart: %s", index, why)
+        self.card_state[index] = "healthy"
         self.router.mark_up(index)
         log.warning("card%d restarted and back in rotation", index)
 
+    async def _probe_card(self, index: int) -> str | None:
+        """Run one item of a recent batch on a restarted card within its deadline; None if it answered."""
+        if self._probe is None:
+            return None
+        inputs, rows = self._probe
+        card = self.cards[index]
+        sample = one_item({n: inputs[n] for n in card.input_names}, rows)
+        limit = self.deadlines.hang_after(expected_card_seconds(card, 1, sample))
+        try:
+            await _within(card.infer(sample), limit)
+        except asyncio.TimeoutError:
+            self._count(index, "hang")
+            return f"hung (> {limit:.2f} s)"
+        except Exception as exc:  # noqa: BLE001 - the card stays out
+            self._count(index, "error")
+            return f"failed ({type(exc).__name__}: {exc})"
+        return None
+
+    def _count(self, index: int, kind: str) -> None:
+        """Count a card fault and tell ``on_card_fault``."""
+        key = (index, kind)
+        self.fault_counts[key] = self.fault_counts.get(key, 0) + 1
+        if self.on_card_fault is not None:
+            self.on_card_fault(index, kind)
+
     def close(self) -> None:
-        for task in self._restarts:
-            task.cancel()
+        _cancel([*self._restarts, *self._watchers])
         self.host.close()
         if self.host_dense is not None:
             self.host_dense.close()

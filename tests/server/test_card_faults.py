@@ -24,7 +24,8 @@ def rm1():
     return partition_builtin("rm1", max_rows=300, cards=2)
 
 
-def _runtime(rm1, faults: list[dict], card_timeout_s: float = 5.0, reload_faults: dict | None = None) -> PlanRuntime:
+def _runtime(rm1, faults: list[dict], card_timeout_s: float = 5.0, reload_faults: dict | None = None,
+             **kwargs) -> PlanRuntime:
     _, partitioned = rm1
     spec = load_spec("m2-card")
     dense = partitioned.artifacts[DENSE_PARTITION]
@@ -33,7 +34,8 @@ def _runtime(rm1, faults: list[dict], card_timeout_s: float = 5.0, reload_faults
              for i, f in enumerate(faults)]
     healthy = SimCardBackend(faults=reload_faults or {})
     return PlanRuntime(host, cards, card_timeout_s=card_timeout_s,
-                       reload_card=lambda i: healthy.load(dense, dataclasses.replace(spec, name=f"m2/new{i}")))
+                       reload_card=lambda i: healthy.load(dense, dataclasses.replace(spec, name=f"m2/new{i}")),
+                       **kwargs)
 
 
 def _batches(count: int):
@@ -69,17 +71,19 @@ async def test_a_crashing_card_is_retried_elsewhere_taken_out_and_restarted(rm1)
 
 
 async def test_a_hung_card_times_out_and_its_batch_is_answered_by_another(rm1) -> None:
-    runtime = _runtime(rm1, [{"hang": True}, {}], card_timeout_s=0.3)
+    # No hedging and no host fallback: the batch waits out card0's deadline (the 0.3 s cap), then card1 answers.
+    runtime = _runtime(rm1, [{"hang": True}, {}], card_timeout_s=0.3, hedge_fraction=0, dense_fallback=False)
     runtime.router.loads[1].last_used = 10  # make card0 the first pick
     batch = _batches(1)[0]
     out = await asyncio.wait_for(runtime.run(batch, BatchInfo()), 10)
     np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
-    assert runtime.router.loads[0].failures == 1
+    assert runtime.router.loads[0].failures == 1 and runtime.fault_counts == {(0, "hang"): 1}
+    assert [load.outstanding_rows for load in runtime.router.loads] == [0, 0]
     runtime.close()
 
 
 async def test_when_every_card_fails_the_batch_gets_unavailable_not_a_hang(rm1) -> None:
     runtime = _runtime(rm1, [{"crash_after": 0}, {"crash_after": 0}], reload_faults={"crash_after": 0})
-    with pytest.raises(Unavailable, match="failed on two cards"):
+    with pytest.raises(Unavailable, match="batch failed on 2 card\\(s\\): card. failed .*card. failed"):
         await asyncio.wait_for(runtime.run(_batches(1)[0], BatchInfo()), 10)
     runtime.close()
