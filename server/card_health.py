@@ -47,10 +47,11 @@ class CardDeadlines:
     """Hedge point as a fraction of the hang deadline (0: no hedged copies)."""
 
     def __post_init__(self) -> None:
-        for name in ("multiple", "floor_s", "cap_s"):
+        for name, said in (("multiple", "card_timeout_multiple (--card-timeout-multiple)"),
+                           ("floor_s", "card_timeout_floor_s (--card-timeout-floor-ms)"), ("cap_s", "card_timeout_s")):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"card_timeout {name} must be a finite number >= 0, got {value!r}")
+                raise ValueError(f"{said} must be a finite number >= 0, got {value!r}")
         if self.cap_s <= 0 or (self.floor_s <= 0 and self.multiple <= 0):
             raise ValueError(f"card hang deadline would be 0 (floor {self.floor_s} s, multiple {self.multiple}, "
                              f"cap {self.cap_s} s): set a floor or a multiple > 0")

@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-card-batch-rows", type=int, default=256,
                    help="a card takes at most this many items per batch; a larger batch is split across cards, "
                         "which run its parts at once (default 256; 0: never split)")
+    p.add_argument("--card-timeout-multiple", type=float, default=10.0,
+                   help="a card is hung when a batch takes this many times its expected time (cost model; "
+                        "default 10; 0: the floor alone); see docs/reliability.md")
+    p.add_argument("--card-timeout-floor-ms", type=int, default=500,
+                   help="shortest hang deadline of a card batch, milliseconds (default 500)")
     p.add_argument("--min-split-rows", type=int, default=DEFAULT_MIN_SPLIT_ROWS,
                    help="a batch of at least twice this many items is also split over the cards that are idle, "
                         f"in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; 0: only split "
@@ -130,7 +135,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 table_precision=args.table_precision, backend_options=backend_options,
                 max_card_rows=args.max_card_batch_rows or None, sparse_on_cards=args.sparse_on_cards,
                 dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows,
-                min_split_rows=args.min_split_rows)
+                min_split_rows=args.min_split_rows, card_timeout_multiple=args.card_timeout_multiple,
+                card_timeout_floor_s=args.card_timeout_floor_ms / 1e3)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -142,7 +148,9 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         batching=batching, backend_options=backend_options,
                                         max_card_rows=args.max_card_batch_rows or None,
                                         host_dense_max_rows=args.host_dense_max_rows,
-                                        min_split_rows=args.min_split_rows)
+                                        min_split_rows=args.min_split_rows,
+                                        card_timeout_multiple=args.card_timeout_multiple,
+                                        card_timeout_floor_s=args.card_timeout_floor_ms / 1e3)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()

@@ -76,8 +76,12 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None,
                      min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, host_dense_max_rows: int = -1,
-                     allow_nonfinite: bool = False) -> ServedModel:
-    """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane."""
+                     allow_nonfinite: bool = False, card_timeout_multiple: float = 10.0,
+                     card_timeout_floor_s: float = 0.5) -> ServedModel:
+    """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
+
+    ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
+    """
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
     host = load_host_stage(partitioned, host_device)
@@ -95,12 +99,14 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
         else:
             host_dense = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), host_device)
     runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows,
-                          min_split_rows=min_split_rows,
+                          min_split_rows=min_split_rows, card_timeout_multiple=card_timeout_multiple,
+                          card_timeout_floor_s=card_timeout_floor_s,
                           host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
     served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight)
+    runtime.on_card_fault = metrics.for_model(served.name, version).card_fault
     tables = plan.tables
     if tables.get("rows"):
         served.parameters["sixfold.table_rows"] = ",".join(str(r) for r in tables["rows"])
@@ -118,7 +124,8 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  table_precision: str = "fp32", backend_options: dict | None = None,
                  max_card_rows: int | None = None, sparse_on_cards: str | None = None,
                  dense_precision: str = "fp32", host_dense_max_rows: int = -1,
-                 min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False) -> ServedModel:
+                 min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
+                 card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -130,13 +137,15 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
     return load_partitioned(partitioned, backend=backend, metrics=metrics, batching=batching,
                             backend_options=backend_options, max_card_rows=max_card_rows,
                             min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows,
-                            allow_nonfinite=allow_nonfinite)
+                            allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
+                            card_timeout_floor_s=card_timeout_floor_s)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
                          metrics: ServerMetrics, batching: BatchingConfig, backend_options: dict | None = None,
                          max_card_rows: int | None = None, host_dense_max_rows: int = -1,
-                         min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False) -> ServedModel:
+                         min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
+                         card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
@@ -154,6 +163,9 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         max_card_rows=extras.get("max_card_batch_rows", max_card_rows),
         min_split_rows=extras.get("min_split_rows", min_split_rows),
         host_dense_max_rows=extras.get("host_dense_max_rows", host_dense_max_rows),
-        allow_nonfinite=extras.get("allow_nonfinite", allow_nonfinite))
+        allow_nonfinite=extras.get("allow_nonfinite", allow_nonfinite),
+        card_timeout_multiple=extras.get("card_timeout_multiple", card_timeout_multiple),
+        card_timeout_floor_s=extras["card_timeout_floor_ms"] / 1e3 if "card_timeout_floor_ms" in extras
+        else card_timeout_floor_s)
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     return served

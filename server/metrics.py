@@ -39,6 +39,7 @@ class ServerMetrics:
         self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
         self.host_dense_max_rows = Gauge("sixfold_host_dense_max_rows", "Batches of at most this many rows run their dense part on the host CPU (0: none)", ["model"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
+        self.card_faults = Counter("sixfold_card_faults", "Card faults, also those a hedge or retry saved (kind: late, hang, error)", ["model", "card", "kind"], registry=r)
 
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         r.register(_RequestCollector(self._models))
@@ -193,6 +194,10 @@ class ModelMetrics:
         if host_dense_max_rows != self._host_dense_max_rows:  # a gauge: set when it moves
             self._host_dense_max_rows = host_dense_max_rows
             self.host_dense_max_rows.set(host_dense_max_rows)
+
+    def card_fault(self, card: int, kind: str) -> None:
+        """One card fault ("late": passed its hedge point; "hang"; "error"), counted even when the batch was saved."""
+        self._m.card_faults.labels(self.model, f"card{card}", kind).inc()
 
     def record_failure(self, reason: str) -> None:
         # NOTE: failures are rare; labels() per call keeps the reason set open.

@@ -66,6 +66,13 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _nonnegative(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.lower()
     if lowered not in ("true", "false"):
@@ -94,6 +101,8 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.max_inflight_batches": _int(0),
     "sixfold.host_dense_max_rows": _int(-1),
     "sixfold.allow_nonfinite": _bool,
+    "sixfold.card_timeout_multiple": _nonnegative,
+    "sixfold.card_timeout_floor_ms": _int(0),
     "sixfold.max_batch_rows": _int(1),  # what to_model_config writes when it reports max_batch_size 0
     # Facts a server publishes for load generators (read back as written).
     "sixfold.table_rows": str,
