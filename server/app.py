@@ -154,7 +154,12 @@ class BackgroundServer:
 
     def start(self) -> "BackgroundServer":
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        except BaseException:  # e.g. a busy port: no thread left behind
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            raise
         return self
 
     def stop(self) -> None:
