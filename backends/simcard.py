@@ -23,7 +23,9 @@ benchmark run on simcard says when its numbers are the host's, not the card's.
 Time is injected (``clock``, ``sleep``) so tests are exact with a fake clock.
 ``faults`` injects failures for server tests: ``crash_after`` (batches served
 before every later batch fails), ``hang`` (those batches never finish instead;
-with no ``crash_after``, every batch hangs) and ``slow_factor`` (service time
+with no ``crash_after``, every batch hangs), ``stall_s`` (those batches answer
+that many seconds late instead: a stalled card that recovers; with no
+``crash_after``, every batch stalls) and ``slow_factor`` (service time
 multiplier, e.g. a throttled card).
 """
 
@@ -77,24 +79,29 @@ class Faults:
     crash_after: int | None = None
     hang: bool = False
     slow_factor: float = 1.0
+    stall_s: float = 0.0
 
     @classmethod
     def parse(cls, faults: Mapping[str, Any] | None) -> "Faults":
         faults = dict(faults or {})
-        reject_unknown("simcard (faults)", faults, ("crash_after", "hang", "slow_factor"))
+        reject_unknown("simcard (faults)", faults, ("crash_after", "hang", "slow_factor", "stall_s"))
         crash_after = faults.get("crash_after")
         if crash_after is not None:
             crash_after = int_option("simcard", "faults.crash_after", crash_after)
         slow = faults.get("slow_factor", 1.0)
         if isinstance(slow, bool) or not isinstance(slow, (int, float)) or not slow > 0:
             raise BackendError(f"backend simcard: faults.slow_factor must be a number > 0, got {slow!r}")
-        return cls(crash_after=crash_after, hang=bool(faults.get("hang", False)), slow_factor=float(slow))
+        stall = faults.get("stall_s", 0.0)
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 <= stall < float("inf"):
+            raise BackendError(f"backend simcard: faults.stall_s must be a number >= 0 (seconds), got {stall!r}")
+        return cls(crash_after=crash_after, hang=bool(faults.get("hang", False)), slow_factor=float(slow),
+                   stall_s=float(stall))
 
     def fails(self, index: int) -> bool:
-        """Whether batch number ``index`` (0-based, in arrival order) is hit by crash/hang."""
+        """Whether batch number ``index`` (0-based, in arrival order) is hit by crash/hang/stall."""
         if self.crash_after is not None:
             return index >= self.crash_after
-        return self.hang
+        return self.hang or self.stall_s > 0
 
 
 def _rows(inputs: Mapping[str, np.ndarray], names: tuple[str, ...]) -> int:
@@ -184,6 +191,9 @@ class SimCardExecutable(Executable):
     async def _fail(self, index: int) -> None:
         if self.faults.hang:
             await asyncio.get_running_loop().create_future()  # never resolves; cancel to leave
+        if self.faults.stall_s > 0:
+            await self._sleep(self.faults.stall_s)  # then the batch is served as usual
+            return
         raise BackendError(f"simcard {self.device.name}: partition {self.artifact.name} crashed "
                            f"(injected fault: crash_after={self.faults.crash_after}, batch {index})")
 

@@ -84,6 +84,7 @@ async def test_a_hung_card_times_out_and_its_batch_is_answered_by_another(rm1) -
 
 async def test_when_every_card_fails_the_batch_gets_unavailable_not_a_hang(rm1) -> None:
     runtime = _runtime(rm1, [{"crash_after": 0}, {"crash_after": 0}], reload_faults={"crash_after": 0})
-    with pytest.raises(Unavailable, match="batch failed on 2 card\\(s\\): card. failed .*card. failed"):
+    with pytest.raises(Unavailable, match="batch failed on 2 card\\(s\\): card. failed .*card. failed") as info:
         await asyncio.wait_for(runtime.run(_batches(1)[0], BatchInfo()), 10)
+    assert info.value.reason == "card_error"  # the metrics label, apart from hangs
     runtime.close()
