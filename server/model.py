@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -100,6 +101,10 @@ class ServedModel:
                     self.batcher.abandon(queued)
                     raise
                 info = queued.info
+        except asyncio.CancelledError:  # the client gave up (its deadline passed, or it went away)
+            self.stats.record_failure(time.perf_counter() - t0)
+            self._metrics.record_failure("cancelled")
+            raise
         except Exception as exc:
             self.stats.record_failure(time.perf_counter() - t0)
             self._metrics.record_failure(getattr(exc, "reason", "internal"))

@@ -299,6 +299,12 @@ class _Attempt:
     """Loop time at which the card counts as hung."""
     hedge_at: float | None
     task: asyncio.Future = field(repr=False)
+    expected_total_s: float = 0.0
+    """Expected seconds until this batch is done: the card's queued work ahead of it plus its own."""
+
+    @property
+    def started(self) -> float:
+        return self.deadline - self.hang_after
 
 
 def _cancel(tasks: Sequence[asyncio.Future]) -> None:
@@ -365,7 +371,11 @@ class PlanRuntime:
         self.fault_counts: dict[tuple[int, str], int] = {}
         """(card, kind) -> faults seen; kinds as ``on_card_fault``'s."""
         self.hedges = self.hedge_wins = self.host_fallbacks = 0
+        self.slowest_card_ratio = self.slowest_card_s = 0.0
+        """Largest observed / expected time, and largest time, of an answered card batch (how close
+        healthy cards come to their hang deadline)."""
         self._strikes = [0] * len(self.cards)
+        self._pace = [_Ewma() for _ in self.cards]  # observed / expected time of each card's answered batches
         self._probe: tuple[Arrays, int] | None = None
         self._watchers: set[asyncio.Future] = set()
         if max_card_rows is not None and max_card_rows < 1:
@@ -561,16 +571,32 @@ class PlanRuntime:
         card = self.cards[index]
         inputs = {n: card_inputs[n] for n in card.input_names}
         own = expected_card_seconds(card, rows, inputs)
-        hang_after = self.deadlines.hang_after(self.router.charge(index, own) + own)
-        hedge_after = self.deadlines.hedge_after(self.router.loads[index].outstanding_s)
+        total = self.router.charge(index, own) + own
+        hang_after = self.deadlines.hang_after(total * self.pace(index))
+        hedge_after = self.deadlines.hedge_after(total * self.pace(index))
         now = asyncio.get_running_loop().time()
         if self._probe is None:
             self._probe = (inputs, rows)
         return _Attempt(index, rows, own, hang_after, now + hang_after,
-                        None if hedge_after is None else now + hedge_after, asyncio.ensure_future(card.infer(inputs)))
+                        None if hedge_after is None else now + hedge_after, asyncio.ensure_future(card.infer(inputs)),
+                        total)
+
+    def pace(self, index: int) -> float:
+        """How much slower than its spec card ``index`` answers (an EWMA of observed / expected, at least 1).
+
+        NOTE: deadlines scale by it, so a card that is slow but answering (throttled, or a simulated
+        card whose host lags) is not taken for hung; a hung card answers nothing, so its pace stays.
+        """
+        ewma = self._pace[index]
+        return max(1.0, ewma.value) if ewma.count else 1.0
 
     def _served(self, attempt: _Attempt, card_inputs: Arrays, rows: int, hedged: bool) -> None:
         self._strikes[attempt.index] = 0
+        if attempt.expected_total_s > 0:
+            took = asyncio.get_running_loop().time() - attempt.started
+            self.slowest_card_ratio = max(self.slowest_card_ratio, took / attempt.expected_total_s)
+            self.slowest_card_s = max(self.slowest_card_s, took)
+            self._pace[attempt.index].add(took / attempt.expected_total_s, 0.2)
         self._probe = (card_inputs, rows)
         self.hedge_wins += hedged
 
