@@ -29,7 +29,8 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 """Triton's header: bytes of JSON at the start of a body that also carries binary tensors."""
 
 # What JSON values each datatype accepts (numpy kinds of the parsed list): no silent float -> int cuts.
-_KINDS = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}
+_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+_KIND_WORDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers with a fraction", "U": "strings"}
 
 
 @dataclass
@@ -71,6 +72,8 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
         header = json.loads(memoryview(body)[:json_end].tobytes() if json_end < len(body) else body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("request body is not valid JSON: nested too deeply") from None
     return _object(header, "request body"), memoryview(body)[json_end:]
 
 
@@ -105,8 +108,9 @@ def _from_json(name: str, datatype: str, dtype: np.dtype, shape: list[int], data
     if count == 0:
         return np.zeros(shape, dtype)
     if parsed.dtype.kind not in _KINDS.get(dtype.kind, ""):
-        raise InvalidInput(f"input '{name}': 'data' holds {parsed.dtype.kind!r}-kind values "
-                           f"({data if count <= 4 else parsed.ravel()[:4].tolist()}...), not {datatype}")
+        what = _KIND_WORDS.get(parsed.dtype.kind, "mixed or out-of-range values")
+        raise InvalidInput(f"input '{name}': 'data' holds {what} (first: {parsed.ravel()[:3].tolist()}), "
+                           f"which {datatype} cannot hold")
     if dtype.kind in "iu" and parsed.dtype != dtype:
         info = np.iinfo(dtype)
         low, high = int(parsed.min()), int(parsed.max())

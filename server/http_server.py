@@ -31,9 +31,10 @@ class RestServer:
                  grace_seconds: float = 10.0) -> None:
         self.host, self.requested_port = host, port
         self.port: int | None = None
-        self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
-                                     server_header=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                                     timeout_graceful_shutdown=max(1, int(grace_seconds)))
+        # NOTE: log_config=None leaves the process's logging alone; uvicorn's own logger only warns.
+        self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, log_level="warning",
+                                     access_log=False, server_header=False, ssl_certfile=tls_cert,
+                                     ssl_keyfile=tls_key, timeout_graceful_shutdown=max(1, int(grace_seconds)))
         self._server = _EmbeddedUvicorn(self.config)
         self._task: asyncio.Task | None = None
 
