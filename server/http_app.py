@@ -266,9 +266,14 @@ class _Routes:
 
     async def _change(self, request: Request, action: str) -> Response:
         control = self._control(request, changes=True)
-        if (await self._json_body(request)).get("parameters"):
-            raise InvalidInput(f"model {action}: 'parameters' (config or file overrides) are not supported; "
-                               "sixfold loads what the repository holds")
+        parameters = (await self._json_body(request)).get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise InvalidInput(f"model {action}: 'parameters' must be a JSON object, got {parameters!r}")
+        # NOTE: unload_dependents (tritonclient sends it) means nothing without ensembles.
+        unsupported = sorted(set(parameters) - ({"unload_dependents"} if action == "unload" else set()))
+        if unsupported:
+            raise InvalidInput(f"model {action}: 'parameters' {unsupported} are not supported (no config or file "
+                               "overrides); sixfold loads what the repository holds")
         name = request.path_params["name"]
         await (control.load(name) if action == "load" else control.unload(name))
         return Response(status_code=200)

@@ -131,3 +131,35 @@ def test_sixfold_serve_http_port() -> None:
         assert "REST off" in off.output
     finally:
         assert off.stop() == 0
+
+
+def test_repository_index_load_and_unload_over_rest(tmp_path, rm1) -> None:
+    from partitioner.artifacts import write_artifacts
+
+    model, partitioned = rm1
+    write_artifacts(partitioned, tmp_path / "repo" / "alpha" / "1")
+    port, token = free_port(), "s3cret"
+    serve = ServeProcess("--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit",
+                         "--control-token", token, "--backend", "onnxruntime", "--grpc-port", "0",
+                         "--metrics-port", "-1", "--http-port", str(port))
+    try:
+        assert serve.url, serve.output
+        with th.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            assert client.get_model_repository_index() == [
+                {"name": "alpha", "version": "", "state": "UNAVAILABLE", "reason": "unloaded"}]
+            with pytest.raises(th.InferenceServerException, match="authorization: Bearer") as caught:
+                client.load_model("alpha")
+            assert caught.value.status() == "401"
+            auth = {"authorization": f"Bearer {token}"}
+            with pytest.raises(th.InferenceServerException, match="'parameters'"):
+                client.load_model("alpha", headers=auth, config="{}")
+            client.load_model("alpha", headers=auth)
+            assert client.is_model_ready("alpha")
+            assert client.get_model_repository_index()[0]["state"] == "READY"
+            request = models.RequestGenerator.for_config(model.config, seed=6).make(3)
+            scores = client.infer("alpha", http_inputs(th, request, binary=True)).as_numpy("scores")
+            np.testing.assert_allclose(scores, _expected(model, request), atol=1e-4, rtol=0)
+            client.unload_model("alpha", headers=auth)
+            assert not client.is_model_ready("alpha")
+    finally:
+        assert serve.stop() == 0
