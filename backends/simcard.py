@@ -143,6 +143,14 @@ class SimCardExecutable(Executable):
             raise BackendError(f"partition {self.artifact.name} on simcard {self.device.name} is closed")
         return self.inner.run(inputs)
 
+    def expected_seconds(self, rows: int, input_bytes: float, output_bytes: float) -> float:
+        """The modelled service time of a batch, throttling (``slow_factor``) included; stalls and hangs not.
+
+        The server derives a batch's hang deadline from it (``server.card_health``).
+        """
+        return service_seconds(self.device, self.artifact, rows, int(input_bytes), int(output_bytes)) * \
+            self.faults.slow_factor
+
     def _serve(self, inputs: Mapping[str, np.ndarray], arrival: float) -> tuple[Arrays, float]:
         """On the worker thread: compute for real, place the batch on the modelled timeline; -> (outputs, finish)."""
         t0 = self._clock()

@@ -67,7 +67,12 @@ class CardDeadlines:
         return self.hedge_fraction * self.hang_after(expected_s) if self.hedge_fraction > 0 else None
 
 
-def _roofline(executable: Executable, rows: int, in_bytes: float, out_bytes: float) -> float:
+def _stage_seconds(executable: Executable, rows: int, in_bytes: float, out_bytes: float) -> float:
+    # NOTE: an executable that models its own time (the simulated card, a vendor's calibrated
+    # model) says so with ``expected_seconds(rows, in_bytes, out_bytes)``; else the spec's roofline.
+    own = getattr(executable, "expected_seconds", None)
+    if callable(own):
+        return float(own(rows, in_bytes, out_bytes))
     device, artifact = executable.device, executable.artifact
     return (device.transfer_seconds(in_bytes)
             + device.compute_seconds(artifact.flops_per_item * rows,
@@ -78,13 +83,13 @@ def _roofline(executable: Executable, rows: int, in_bytes: float, out_bytes: flo
 def expected_card_seconds(executable: Executable, rows: int, inputs: Mapping[str, np.ndarray]) -> float:
     """Modelled time of one batch on this executable's card (each stage of a pipeline lane, summed).
 
-    NOTE: the simulated card charges exactly this (``backends.simcard.service_seconds``); a
-    real card's spec prices it the same way the partitioner's plan did.
+    The spec's roofline, as the partitioner's plan priced it and the simulated card charges it
+    (``backends.simcard.service_seconds``, times a throttled simcard's ``slow_factor``).
     """
     in_bytes = float(sum(inputs[n].nbytes for n in executable.input_names if n in inputs))
     out_bytes = 4.0 * rows * max(1, len(executable.output_names))  # fp32 scores: the outputs are small
     stages: Sequence[Executable] = getattr(executable, "stages", None) or [executable]
-    return sum(_roofline(stage, rows, in_bytes, out_bytes) for stage in stages)
+    return sum(_stage_seconds(stage, rows, in_bytes, out_bytes) for stage in stages)
 
 
 def one_item(inputs: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

@@ -108,6 +108,9 @@ def test_the_expected_time_is_what_the_simulated_card_charges(rm1) -> None:
     charged = service_seconds(card.device, card.artifact, 64, sum(a.nbytes for a in inputs.values()),
                               sum(a.nbytes for a in outputs.values()))
     assert expected_card_seconds(card, 64, inputs) == pytest.approx(charged, rel=1e-9)
+    throttled = _cards(rm1, [{"slow_factor": 3.0}])[0]  # a card's own model of its time is what counts
+    assert expected_card_seconds(throttled, 64, inputs) == pytest.approx(3 * charged, rel=1e-9)
+    throttled.close()
     card.close()
     host.close()
 
