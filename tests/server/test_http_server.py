@@ -8,6 +8,7 @@ import json
 import socket
 import ssl
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 
@@ -163,3 +164,33 @@ def test_repository_index_load_and_unload_over_rest(tmp_path, rm1) -> None:
             assert not client.is_model_ready("alpha")
     finally:
         assert serve.stop() == 0
+
+
+def test_stop_answers_every_rest_request_it_received(rm1) -> None:
+    """Requests sent before stop() are answered (scores, or 503 once draining); none is dropped."""
+    model = rm1[0]
+    server = _server(rm1, http_port=0, grace_seconds=20.0).start()
+    big = models.RequestGenerator.for_config(model.config, seed=8).make(1000)
+    outcomes: list[str] = []
+    first_done = threading.Event()
+
+    def call() -> None:
+        with th.InferenceServerClient(server.http_url, network_timeout=60.0) as client:
+            try:
+                scores = client.infer("rm1", http_inputs(th, big, binary=True)).as_numpy("scores")
+                outcomes.append("ok" if scores.shape == (1000, 1) else f"shape {scores.shape}")
+            except th.InferenceServerException as exc:
+                outcomes.append(exc.status())
+        first_done.set()
+
+    threads = [threading.Thread(target=call) for _ in range(10)]
+    try:
+        for t in threads:
+            t.start()
+        assert first_done.wait(60)
+    finally:
+        server.stop()
+    for t in threads:
+        t.join(60)
+    assert len(outcomes) == 10, outcomes
+    assert set(outcomes) <= {"ok", "503"} and "ok" in outcomes, outcomes
