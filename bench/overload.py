@@ -8,8 +8,9 @@ Phases, against one server:
 What "degrades well" means, and what the report shows: the server stays up;
 excess requests are refused with RESOURCE_EXHAUSTED at once (rejection latency
 p99); admitted requests keep a bounded p99 (queue bound x service time, not the
-length of the overload); the server's RSS stays flat; and right after the load
-drops, requests succeed at once.
+length of the overload); the server's RSS stays flat (peak) and comes back down (after); and right after the load
+drops, requests succeed at once. With admission by work (``max_queue_work_ms``) the
+admitted p99 is about the work bound plus one batch's service time under load.
 
     .venv/bin/python bench/overload.py                 # rm2 on 6 simcards in a child process, 30 s at 3x
     .venv/bin/python bench/overload.py --url 127.0.0.1:8001 --model rm2 --pid 12345 --duration 30
@@ -71,6 +72,8 @@ class OverloadResult:
     sent: int = 0
     ok: int = 0
     rejected: int = 0
+    refused_pct: float = 0.0
+    """Share of sent requests refused with RESOURCE_EXHAUSTED, in percent."""
     other_errors: dict[str, int] = field(default_factory=dict)
     admitted_ms: dict[str, float | None] = field(default_factory=dict)
     """Latency of answered requests (from their scheduled time): p50, p99, max."""
@@ -139,6 +142,7 @@ async def run_overload(url: str, model: str, *, factor: float = 3.0, duration_s:
     result.sent = int(np.count_nonzero(~np.isnan(record.sent[:n])))
     result.ok = int(np.count_nonzero(status == OK))
     result.rejected = int(np.count_nonzero(rejected))
+    result.refused_pct = round(100.0 * result.rejected / max(1, result.sent), 1)
     for i in np.flatnonzero((status == ERROR) & ~rejected).tolist():
         reason = record.reasons.get(i, "unknown")
         result.other_errors[reason] = result.other_errors.get(reason, 0) + 1
@@ -241,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-inflight-batches", type=int, default=0,
                    help="batches past the queue at once in the started server (default 0: cards + 1)")
     p.add_argument("--max-batch-rows", type=int, default=32, help="batch bound of the started server (default 32)")
+    p.add_argument("--max-queue-work-ms", type=float, help="work bound of the started server (default: BatchingConfig's)")
+    p.add_argument("--max-queue-bytes-mb", type=int, help="bytes bound of the started server (default: BatchingConfig's)")
+    p.add_argument("--default-timeout-us", type=int, help="queue timeout of the started server (default: BatchingConfig's)")
     p.add_argument("--slow-factor", type=float, default=5000.0,
                    help="simcard slow_factor fault of the started server: cards are the bottleneck (default 5000; "
                         "1: unthrottled, the host and gRPC layer are)")
@@ -261,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         batching = {"max_batch_rows": args.max_batch_rows, "max_queue_size": args.max_queue_size,
                     "max_inflight_batches": args.max_inflight_batches}
+        for key, value in (("max_queue_work_ms", args.max_queue_work_ms), ("default_timeout_microseconds",
+                           args.default_timeout_us), ("max_queue_bytes", args.max_queue_bytes_mb and
+                                                      args.max_queue_bytes_mb << 20)):
+            if value is not None:
+                batching[key] = value
         with ServerProcess(args.model, cards=args.cards, batching=batching, slow_factor=args.slow_factor) as server:
             result = go(server.url, server.pid)
             if not server.alive:

@@ -13,6 +13,13 @@ varying size fault no page once the heap has grown to their size.
 The cost is memory kept for reuse (the heap keeps its peak, and up to ``trim_threshold`` free at
 its top) and one arena lock shared by every thread; the threads that allocate much are a
 model's few stage workers, which allocate a few large buffers per batch.
+
+What it must not keep is a burst: requests of 100 MB each (their protobuf bytes, decoded arrays and
+merged batch) leave the heap with hundreds of MB free below live allocations, which the top-of-heap
+trim cannot reach. ``give_back_freed_memory`` (glibc ``malloc_trim(0)``: every arena, every free
+page, not only the top) returns them; the batcher calls it off the event loop once a burst of
+queued bytes has drained (``server.batcher``), at most once a second, so the steady state keeps
+its reused buffers and a burst does not stay resident.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import ctypes
 import logging
 import platform
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "give_back_freed_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +61,27 @@ def keep_freed_memory(*, arena_max: int = 1, mmap_threshold: int = 32 * _MIB, to
     if not ok:
         log.warning("mallopt refused a setting; large batches may fault their buffers in again each time")
     return ok
+
+
+def _libc_malloc_trim():
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _libc_malloc_trim()
+
+
+def give_back_freed_memory() -> bool:
+    """Return every whole free page of the C heap to the kernel (glibc ``malloc_trim(0)``).
+
+    It walks every arena: milliseconds on a heap of GBs, and it takes the arena locks, so call it
+    off the event loop and not per request. Returns whether anything was given back (False
+    where the C library is not glibc).
+    """
+    return bool(_TRIM(0)) if _TRIM is not None else False

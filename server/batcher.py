@@ -23,12 +23,26 @@ Scheduling follows Triton's dynamic batcher, in rows instead of requests:
   (``timeout_action`` REJECT) or kept and moved behind every request of its
   level that has not timed out (DELAY). Requests whose client went away are
   dropped before compute.
+
+Admission (``docs/admission.md``): besides its count bound, a level refuses a
+request at once with RESOURCE_EXHAUSTED when the work queued ahead of it plus its
+own would take longer than ``max_queue_work_ms`` to serve, or when queued
+requests would hold more than ``max_queue_bytes``. A request's work is the
+model's cost estimate (``cost``, e.g. ``server.admission.PlanCost``) rescaled by
+the service rate measured on finished batches (Little's law: a batch that ran
+with k batches in flight for t seconds drained k x its estimate in t), so the
+bound is in real seconds whatever the cost model's scale. A request alone in the
+queue is always admitted: a query larger than the bound can still run. When a
+burst of large requests (>= 1 MiB each) has drained and no batch runs, freed heap pages are given
+back to the kernel (``server.allocator.give_back_freed_memory``), off the event
+loop, at most once a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -38,15 +52,34 @@ from typing import Literal
 
 import numpy as np
 
+from .admission import RequestCost
+from .allocator import give_back_freed_memory
 from .errors import DeadlineExceeded, InternalError, InvalidInput, Overloaded, ServingError, Unavailable
 
-__all__ = ["BatchingConfig", "QueuePolicy", "DynamicBatcher", "BatchInfo", "Queued", "TIMEOUT_ACTIONS"]
+__all__ = ["BatchingConfig", "QueuePolicy", "DynamicBatcher", "BatchInfo", "Queued", "TIMEOUT_ACTIONS",
+           "SLA_P99_MS", "DEFAULT_QUEUE_WORK_MS", "DEFAULT_TIMEOUT_US", "DEFAULT_QUEUE_BYTES", "TRIM_AFTER_BYTES"]
 
 log = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
 TimeoutAction = Literal["REJECT", "DELAY"]
 TIMEOUT_ACTIONS: tuple[str, ...] = ("REJECT", "DELAY")
+_MIB = 1 << 20
+
+SLA_P99_MS = 60.0
+"""The latency target the defaults are derived from: MLPerf DLRM Server, p99 <= 60 ms."""
+DEFAULT_QUEUE_WORK_MS = 30.0
+"""Queue-delay budget: the SLA (60 ms) less the batching window (2 ms) and a large query's own
+service at load (~28 ms: rm2's host stage takes ~31 ms for 700 items on a 2-core host)."""
+DEFAULT_TIMEOUT_US = 1_000_000
+"""Backstop for when admission's estimate is wrong (a card stalls): a request queued this long
+has missed a 60 ms SLA 16 times over, and nobody waits for its answer. Loose on purpose, so a
+loaded machine's pauses are not turned into errors; a deployment sets its SLA."""
+DEFAULT_QUEUE_BYTES = 512 * _MIB
+"""Bytes of inputs queued at most: ~16 of the largest sensible query (a 1000-item rm2 query is
+~32 MB, nearly all ids); the host keeps a bounded share of its memory for requests in wait."""
+TRIM_AFTER_BYTES = 64 * _MIB
+"""A burst whose queued bytes reached this is given back to the kernel once drained."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +89,7 @@ class QueuePolicy:
     max_queue_size: int = 256
     """Requests waiting at this level at most; one more is refused at once with RESOURCE_EXHAUSTED (0: unbounded)."""
     default_timeout_microseconds: int = 0
-    """A request still queued after this long times out (0: no default timeout)."""
+    """A request still queued after this long times out (0: no default timeout, Triton's default)."""
     timeout_action: TimeoutAction = "REJECT"
     """REJECT: a timed-out request fails with DEADLINE_EXCEEDED before compute.
     DELAY: it stays queued, behind every request of its level that has not timed out."""
@@ -99,7 +132,8 @@ class BatchingConfig:
     max_queue_size: int = 256
     """Requests waiting per level at most; one more is refused at once with RESOURCE_EXHAUSTED (0: unbounded)."""
     default_timeout_microseconds: int = 0
-    """A request still queued after this long times out (0: no default timeout)."""
+    """A request still queued after this long times out (0: no default timeout, Triton's default; ``sixfold-serve``
+    defaults it to DEFAULT_TIMEOUT_US, 1 s)."""
     timeout_action: TimeoutAction = "REJECT"
     """What a timeout does (see QueuePolicy.timeout_action)."""
     allow_timeout_override: bool = True
@@ -112,6 +146,14 @@ class BatchingConfig:
     """The level of a request that gives no priority (or priority 0); 1..priority_levels when levels are on."""
     priority_queue_policy: Mapping[int, QueuePolicy] = field(default_factory=dict)
     """Queue policy per level, overriding the default policy above."""
+    max_queue_work_ms: float = 0.0
+    """A request is refused with RESOURCE_EXHAUSTED when the work queued ahead of it (its level
+    and higher ones) plus its own would take longer than this to serve, at the measured rate
+    (0: no work bound). Off here, so a library user opts in; ``sixfold-serve`` defaults it to
+    DEFAULT_QUEUE_WORK_MS (30 ms: a 60 ms p99 SLA's queue-delay budget)."""
+    max_queue_bytes: int = DEFAULT_QUEUE_BYTES
+    """Bytes of inputs queued requests may hold, all levels; one more is refused with
+    RESOURCE_EXHAUSTED (0: unbounded). A request alone in the queue is always admitted."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -120,6 +162,10 @@ class BatchingConfig:
             raise ValueError(f"max_queue_delay_microseconds must be >= 0, got {self.max_queue_delay_microseconds}")
         if self.max_inflight_batches < 0:
             raise ValueError(f"max_inflight_batches must be >= 0, got {self.max_inflight_batches}")
+        if not (self.max_queue_work_ms >= 0 and math.isfinite(self.max_queue_work_ms)):
+            raise ValueError(f"max_queue_work_ms must be >= 0 (0: no work bound), got {self.max_queue_work_ms}")
+        if self.max_queue_bytes < 0:
+            raise ValueError(f"max_queue_bytes must be >= 0 (0: unbounded), got {self.max_queue_bytes}")
         _ = self.default_policy  # building it checks the default policy's fields
         preferred = tuple(sorted(set(int(p) for p in self.preferred_batch_rows)))
         bad = [p for p in preferred if not 1 <= p <= self.max_batch_rows]
@@ -198,6 +244,9 @@ class Queued:
     future: asyncio.Future
     enqueued: float
     level: int
+    cost: float = 0.0
+    """Estimated work (the cost model's seconds, before the measured rescaling)."""
+    nbytes: int = 0
     info: BatchInfo | None = None
     """Set when its batch has run."""
     timer: asyncio.TimerHandle | None = None
@@ -215,9 +264,15 @@ class _Level:
     def __init__(self, policy: QueuePolicy) -> None:
         self.policy = policy
         self.default_timeout = policy.default_timeout_microseconds > 0
+        self.timeout_s = policy.default_timeout_microseconds / 1e6
+        # NOTE: a REJECT default timeout is checked at the head of the queue by one timer per
+        # batcher (FIFO: the head expires first), not by a timer per request (~1.5 us each).
+        self.lazy_expiry = self.default_timeout and policy.timeout_action == "REJECT"
         self.waiting: deque[Queued] = deque()
         self.delayed: deque[Queued] = deque()
         self.live = 0
+        self.work = 0.0
+        """Estimated work of the requests waiting at this level."""
 
     @staticmethod
     def _gone(p: Queued) -> bool:
@@ -250,7 +305,12 @@ class DynamicBatcher:
     """Priority queues + batching loop for one model; ``submit`` returns that request's outputs."""
 
     def __init__(self, run_batch: RunBatch, config: BatchingConfig, *, max_inflight: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cost: RequestCost | None = None,
+                 trim: Callable[[], object] | None = give_back_freed_memory,
+                 trim_after_bytes: int = TRIM_AFTER_BYTES, trim_every_s: float = 1.0) -> None:
+        """``cost(inputs, rows) -> seconds``: a request's estimated work (None: the work bound is off).
+        ``trim``: gives freed memory back after ``trim_after_bytes`` of large requests (>= 1 MiB) drained
+        (None: never), at most once every ``trim_every_s``."""
         self._run_batch = run_batch
         self.config = config
         self._max_inflight = max_inflight
@@ -267,6 +327,23 @@ class DynamicBatcher:
         self._rows = 0
         """Rows of the requests waiting, all levels."""
         self._lazy_wake = not config.preferred_batch_rows and config.priority_levels <= 1
+        self._one_level = config.priority_levels <= 1
+        self._cost = cost if config.max_queue_work_ms > 0 else None
+        self._work = 0.0
+        """Estimated work waiting, all levels (cost model seconds)."""
+        self._scale = 1.0
+        """Measured seconds per estimated second (EWMA over finished batches)."""
+        self._unmeasured = True
+        self._work_limit = config.max_queue_work_ms / 1e3
+        """max_queue_work_ms in estimated seconds: the bound over the measured scale."""
+        self._bytes = 0
+        self._burst = 0
+        """Bytes of large requests (>= 1 MiB; refused ones included) since memory was last given back."""
+        self._running = 0
+        self._trim, self._trim_after, self._trim_every = trim, trim_after_bytes, trim_every_s
+        self._last_trim = -math.inf
+        self._trims = 0
+        self._expiry: asyncio.TimerHandle | None = None
 
     def _ensure_started(self) -> None:
         if self._loop_task is None:
@@ -280,6 +357,26 @@ class DynamicBatcher:
 
     def queued_by_level(self) -> dict[int, int]:
         return {n: level.live for n, level in self._levels.items()}
+
+    @property
+    def queued_work_s(self) -> float:
+        """Work waiting, all levels, in measured seconds (what admission compares with max_queue_work_ms)."""
+        return self._work * self._scale
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of inputs held by waiting requests, all levels."""
+        return self._bytes
+
+    @property
+    def seconds_per_estimate(self) -> float:
+        """The measured rescaling of the cost model (1.0 until a batch has finished)."""
+        return self._scale
+
+    @property
+    def trims(self) -> int:
+        """How many times freed memory was given back after a burst."""
+        return self._trims
 
     async def submit(self, inputs: Arrays, rows: int, timeout_s: float | None = None,
                      priority: int = 0) -> tuple[Arrays, BatchInfo]:
@@ -314,17 +411,36 @@ class DynamicBatcher:
             where = f" at priority level {level_no}" if self.config.priority_levels else ""
             raise Overloaded(f"queue full{where}: {level.live} requests waiting (max_queue_size {limit}); "
                              "retry later")
+        nbytes = 0
+        for array in inputs.values():
+            nbytes += array.nbytes
+        if nbytes >= _MIB:  # NOTE: small requests reuse the heap's buffers; large ones are what a burst leaves
+            self._burst += nbytes
+        if self._bytes:  # NOTE: a request alone is always admitted (the message size limit bounds it)
+            self._admit_bytes(nbytes)
+        cost = 0.0
+        if self._cost is not None:
+            cost = self._cost(inputs, rows)
+            ahead = self._work if self._one_level else self._work_ahead(level_no)
+            if ahead > 0.0 and ahead + cost > self._work_limit:
+                self._refuse_work(level_no, ahead, cost)
         if self._loop_task is None:
             self._ensure_started()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        item = Queued(inputs, rows, future, self._clock(), level_no)
-        timeout = level.policy.timeout_s(timeout_s) if timeout_s is not None or level.default_timeout else None
-        if timeout is not None:
-            item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
+        item = Queued(inputs, rows, future, self._clock(), level_no, cost, nbytes)
+        if timeout_s is not None or (level.default_timeout and not level.lazy_expiry):
+            timeout = level.policy.timeout_s(timeout_s)
+            if timeout is not None:
+                item.timer = loop.call_later(max(0.0, timeout), self._timed_out, item)
+        if level.lazy_expiry and self._expiry is None:
+            self._expiry = loop.call_later(level.timeout_s, self._expire)
         level.waiting.append(item)
         level.live += 1
+        level.work += cost
         self._rows += rows
+        self._work += cost
+        self._bytes += nbytes
         # NOTE: while the batch timer runs, an arrival that cannot fill the batch changes nothing
         # (the oldest request sets the deadline): the loop is not woken to recount the queue,
         # which saves a wake-up and a walk over the queue per request.
@@ -332,15 +448,65 @@ class DynamicBatcher:
             self._wake()
         return item
 
+    def _work_ahead(self, level_no: int) -> float:
+        """Work that is served before a request of ``level_no``: its level's and the higher ones'."""
+        return sum(level.work for n, level in self._levels.items() if n <= level_no)
+
+    def _admit_bytes(self, nbytes: int) -> None:
+        limit = self.config.max_queue_bytes
+        if limit and self._bytes + nbytes > limit:
+            raise Overloaded(f"queue full of bytes: queued requests hold {self._bytes / _MIB:.1f} MiB and this "
+                             f"one {nbytes / _MIB:.1f} MiB, over max_queue_bytes {limit / _MIB:.1f} MiB; "
+                             "retry later")
+
+    def _refuse_work(self, level_no: int, ahead: float, cost: float) -> None:
+        where = f" at priority level {level_no}" if self.config.priority_levels else ""
+        scale = self._scale * 1e3
+        raise Overloaded(f"queue full of work{where}: {ahead * scale:.1f} ms of work waiting ahead and this "
+                         f"request's {cost * scale:.1f} ms would exceed max_queue_work_ms "
+                         f"{self.config.max_queue_work_ms:g} (estimated at the measured service rate); retry later")
+
+    def _release(self, item: Queued) -> None:
+        """``item`` leaves the queue (taken into a batch, or abandoned): it holds no slot, work or bytes."""
+        item.taken = True  # a tombstone from now on, if not taken into a batch
+        level = self._levels[item.level]
+        level.live -= 1
+        level.work -= item.cost
+        self._rows -= item.rows
+        self._work -= item.cost
+        self._bytes -= item.nbytes
+        if item.timer is not None:
+            item.timer.cancel()
+        if not level.live:
+            level.work = 0.0  # NOTE: no float drift left behind by the sums
+            if not self._rows:
+                self._work = 0.0
+
     def abandon(self, item: Queued) -> None:
         """The caller stopped waiting for ``item`` (it timed out, its batch failed, or its client went
         away): it no longer holds a queue slot."""
         if not item.taken:
-            item.taken = True  # a tombstone from now on
-            self._levels[item.level].live -= 1
-            self._rows -= item.rows
-            if item.timer is not None:
-                item.timer.cancel()
+            self._release(item)
+            if not self._bytes and not self._running:
+                self._maybe_trim()
+
+    def _expire(self) -> None:
+        """Fail the REJECT-timeout requests at the heads of the queues whose timeout passed; re-arm."""
+        self._expiry = None
+        now = self._clock()
+        nearest = math.inf
+        for level in self._levels.values():
+            if not level.lazy_expiry:
+                continue
+            for p in level.waiting:
+                if p.taken or p.future.done() or p.delayed:
+                    continue
+                if p.enqueued + level.timeout_s > now:
+                    nearest = min(nearest, p.enqueued + level.timeout_s)
+                    break
+                self._timed_out(p)
+        if nearest < math.inf and not self._closing:
+            self._expiry = asyncio.get_running_loop().call_later(max(0.0, nearest - now), self._expire)
 
     def _timed_out(self, item: Queued) -> None:
         if item.taken or item.future.done():
@@ -386,11 +552,7 @@ class DynamicBatcher:
     def _take(self, batch: list[Queued]) -> list[Queued]:
         self._disarm()
         for item in batch:
-            item.taken = True
-            self._levels[item.level].live -= 1
-            self._rows -= item.rows
-            if item.timer is not None:
-                item.timer.cancel()
+            self._release(item)
         return batch
 
     async def _next_batch(self) -> list[Queued]:
@@ -447,14 +609,49 @@ class DynamicBatcher:
             except asyncio.CancelledError:
                 self._inflight.release()
                 raise
-            task = asyncio.get_running_loop().create_task(self._execute(batch))
+            self._running += 1
+            task = asyncio.get_running_loop().create_task(self._execute(batch, self._running))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, batch: list[Queued]) -> None:
+    def _measured(self, batch: list[Queued], concurrency: int, seconds: float) -> None:
+        """Rescale estimates by a finished batch: with ``concurrency`` batches in flight, the
+        server drained ``concurrency`` x its estimate in ``seconds`` (Little's law)."""
+        estimate = 0.0
+        for p in batch:
+            estimate += p.cost
+        if estimate > 0.0 and seconds > 0.0:
+            sample = seconds / (concurrency * estimate)
+            # NOTE: the first sample replaces the cost model's scale (it may be off 1000x: a throttled card)
+            self._scale = sample if self._unmeasured else self._scale + 0.2 * (sample - self._scale)
+            self._unmeasured = False
+            self._work_limit = self.config.max_queue_work_ms / 1e3 / self._scale
+
+    def _maybe_trim(self) -> None:
+        """Give freed memory back once a burst of large requests has drained and no batch runs: off the
+        loop, at most once every ``trim_every_s``."""
+        if self._trim is None or self._burst < self._trim_after:
+            return
+        now = time.monotonic()
+        if now - self._last_trim < self._trim_every:
+            return
+        self._last_trim, self._burst = now, 0
+        loop = asyncio.get_running_loop()
+        # NOTE: a little later, so the last batch's responses are sent and their buffers freed first
+        loop.call_later(0.05, lambda: loop.run_in_executor(None, self._run_trim))
+
+    def _run_trim(self) -> None:
+        if self._bytes or self._running:  # a new burst arrived meanwhile: its buffers are in use
+            self._burst = max(self._burst, self._trim_after)
+            self._last_trim = -math.inf
+            return
+        self._trim()  # type: ignore[misc]
+        self._trims += 1
+
+    async def _execute(self, batch: list[Queued], concurrency: int = 1) -> None:
         assert self._inflight is not None
+        started = self._clock()
         try:
-            started = self._clock()
             rows = sum(p.rows for p in batch)
             info = BatchInfo(rows=rows, requests=len(batch))
             merged = batch[0].inputs if len(batch) == 1 else {
@@ -479,8 +676,14 @@ class DynamicBatcher:
             for p in batch:
                 if not p.future.done():
                     p.future.set_exception(error)
+        else:
+            if self._cost is not None:
+                self._measured(batch, concurrency, self._clock() - started)
         finally:
+            self._running -= 1
             self._inflight.release()
+            if not self._bytes and not self._running:
+                self._maybe_trim()
 
     async def close(self, drain: bool = True) -> None:
         """Stop taking requests; answer (drain) or fail what is queued; wait for running batches."""
@@ -496,6 +699,9 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             pass
         self._disarm()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for level in self._levels.values():
             for p in list(level.in_order()):
                 if not p.future.done():

@@ -15,7 +15,7 @@ from backends.api import BackendError
 
 from .allocator import keep_freed_memory
 from .app import ServerConfig, SixfoldServer
-from .batcher import BatchingConfig
+from .batcher import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US, BatchingConfig
 from .core import InferenceCore
 from .errors import ServingError
 from .logs import configure_logging
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and REST over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    p.add_argument("--max-message-mb", type=int, default=1024, help="largest request/response in MiB (default 1024)")
+    p.add_argument("--max-message-mb", type=int, default=64, help="largest request/response in MiB (default 64)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
     p.add_argument("--max-card-batch-rows", type=int, default=256,
                    help="a card takes at most this many items per batch; a larger batch is split across cards, "
@@ -81,8 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
-    p.add_argument("--default-timeout-us", type=int, default=0,
-                   help="drop a request still queued after this long with DEADLINE_EXCEEDED (0: only client deadlines)")
+    p.add_argument("--max-queue-work-ms", type=float, default=DEFAULT_QUEUE_WORK_MS,
+                   help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it plus its own would take "
+                        f"longer than this to serve (default {DEFAULT_QUEUE_WORK_MS:g}: a 60 ms p99 SLA's queue budget; 0: off)")
+    p.add_argument("--max-queue-bytes-mb", type=int, default=DEFAULT_QUEUE_BYTES >> 20,
+                   help=f"MiB of inputs queued requests may hold (default {DEFAULT_QUEUE_BYTES >> 20}; 0: unbounded)")
+    p.add_argument("--default-timeout-us", type=int, default=DEFAULT_TIMEOUT_US,
+                   help="drop a request still queued after this long with DEADLINE_EXCEEDED "
+                        f"(default {DEFAULT_TIMEOUT_US}; 0: only client deadlines)")
     p.add_argument("--preferred-batch-rows", type=int, action="append", default=[], metavar="ROWS",
                    help="dispatch a batch as soon as it reaches ROWS items (repeatable; Triton's preferred_batch_size)")
     p.add_argument("--max-inflight-batches", type=int, default=0,
@@ -116,6 +122,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                               max_queue_delay_microseconds=args.max_queue_delay_us,
                               max_queue_size=args.max_queue_size,
                               default_timeout_microseconds=args.default_timeout_us,
+                              max_queue_work_ms=args.max_queue_work_ms, max_queue_bytes=args.max_queue_bytes_mb << 20,
                               preferred_batch_rows=tuple(args.preferred_batch_rows),
                               max_inflight_batches=args.max_inflight_batches,
                               priority_levels=args.priority_levels,

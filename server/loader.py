@@ -16,6 +16,7 @@ from backends.spec import DeviceSpec
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
 from partitioner.plan import PartitionPlan
 
+from .admission import PlanCost
 from .batcher import BatchingConfig, DynamicBatcher
 from .dense_loader import load_dense
 from .metrics import ServerMetrics
@@ -105,7 +106,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
-    served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight)
+    served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight, cost=PlanCost.from_plan(plan))
     runtime.on_card_fault = metrics.for_model(served.name, version).card_fault
     tables = plan.tables
     if tables.get("rows"):
@@ -154,7 +155,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
     """
     settings = settings_from_proto(repository.config(name), source=str(repository.model_dir(name) / CONFIG_FILE))
     extras = settings.extras
-    if settings.proto.HasField("dynamic_batching") or "max_batch_rows" in extras:
+    if settings.proto.HasField("dynamic_batching") or {"max_batch_rows", "max_queue_work_ms", "max_queue_bytes_mb"} & set(extras):
         batching = settings.batching
     read = repository.read(name, version)
     served = load_partitioned(

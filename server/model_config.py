@@ -103,6 +103,8 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.allow_nonfinite": _bool,
     "sixfold.card_timeout_multiple": _nonnegative,
     "sixfold.card_timeout_floor_ms": _int(0),
+    "sixfold.max_queue_work_ms": _int(0),  # admission by work (BatchingConfig.max_queue_work_ms; 0: off)
+    "sixfold.max_queue_bytes_mb": _int(0),  # admission by bytes (BatchingConfig.max_queue_bytes in MiB; 0: off)
     "sixfold.max_batch_rows": _int(1),  # what to_model_config writes when it reports max_batch_size 0
     # Facts a server publishes for load generators (read back as written).
     "sixfold.table_rows": str,
@@ -154,13 +156,19 @@ def _in_file_terms(message: str) -> str:
 
 
 def batching_from_proto(config: model_config_pb2.ModelConfig, *, max_inflight_batches: int = 0,
-                        max_batch_rows: int | None = None, source: str = "config.pbtxt") -> BatchingConfig:
+                        max_batch_rows: int | None = None, source: str = "config.pbtxt",
+                        admission: Mapping[str, int] | None = None) -> BatchingConfig:
     """The BatchingConfig of a ModelConfig message (errors name the field and ``source``)."""
     rows = config.max_batch_size or max_batch_rows or _DEFAULT_ROWS
     if config.max_batch_size and max_batch_rows and config.max_batch_size != max_batch_rows:
         raise ValueError(f"{source}: max_batch_size {config.max_batch_size} and parameters "
                          f"'sixfold.max_batch_rows' {max_batch_rows} disagree; give one")
     kwargs: dict[str, Any] = {"max_batch_rows": rows, "max_inflight_batches": max_inflight_batches}
+    admission = admission or {}
+    if "max_queue_work_ms" in admission:
+        kwargs["max_queue_work_ms"] = admission["max_queue_work_ms"]
+    if "max_queue_bytes_mb" in admission:
+        kwargs["max_queue_bytes"] = admission["max_queue_bytes_mb"] << 20
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
         if db.preserve_ordering:
@@ -228,7 +236,8 @@ def settings_from_proto(config: model_config_pb2.ModelConfig, *, source: str = "
     parameters = {key: p.string_value for key, p in config.parameters.items()}
     extras = _extras(parameters, source)
     batching = batching_from_proto(config, max_inflight_batches=extras.get("max_inflight_batches", 0),
-                                   max_batch_rows=extras.get("max_batch_rows"), source=source)
+                                   max_batch_rows=extras.get("max_batch_rows"), source=source,
+                                   admission={k: v for k, v in extras.items() if k.startswith("max_queue_")})
     return ModelSettings(name=config.name, batching=batching, extras=extras, parameters=parameters,
                          proto=config, source=source)
 
