@@ -181,11 +181,11 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     rest_at = f"{scheme}://{args.host}:{server.http_port}/v2" if server.http_port is not None else "off"
     console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} (gRPC); "
                   f"REST {rest_at}; metrics {metrics_at}", soft_wrap=True)
-    console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before READY: a caller may signal as soon as it reads it
         loop.add_signal_handler(sig, stop.set)
+    console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
     await stop.wait()
     console.print("sixfold-serve: shutting down (answering queued requests)...")
     await server.stop()

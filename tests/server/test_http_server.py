@@ -26,7 +26,7 @@ from server.loader import load_partitioned
 from server.metrics import ServerMetrics
 from tests.conftest import ServeProcess, free_port
 
-from .test_http import http_inputs, json_request
+from .test_http import http_client, http_inputs, json_request
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_a_streamed_body_over_the_limit_gets_413_and_the_server_keeps_serving(rm
             assert "over the 1048576-byte limit" in json.loads(response.read())["error"]
         finally:
             conn.close()
-        with th.InferenceServerClient(server.http_url) as client:
+        with http_client(server.http_url) as client:
             request = models.RequestGenerator.for_config(model.config, seed=5).make(2)
             scores = client.infer("rm1", http_inputs(th, request, binary=True)).as_numpy("scores")
         np.testing.assert_allclose(scores, _expected(model, request), atol=1e-4, rtol=0)
@@ -119,7 +119,7 @@ def test_sixfold_serve_http_port() -> None:
     try:
         assert serve.url, serve.output
         assert f"REST http://127.0.0.1:{port}/v2" in serve.output
-        with th.InferenceServerClient(f"127.0.0.1:{port}") as client:
+        with http_client(f"127.0.0.1:{port}") as client:
             assert client.is_server_ready() and client.is_model_ready("rm1")
             request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=2).make(4)
             assert client.infer("rm1", http_inputs(th, request, binary=False)).as_numpy("scores").shape == (4, 1)
@@ -145,7 +145,7 @@ def test_repository_index_load_and_unload_over_rest(tmp_path, rm1) -> None:
                          "--metrics-port", "-1", "--http-port", str(port))
     try:
         assert serve.url, serve.output
-        with th.InferenceServerClient(f"127.0.0.1:{port}") as client:
+        with http_client(f"127.0.0.1:{port}") as client:
             assert client.get_model_repository_index() == [
                 {"name": "alpha", "version": "", "state": "UNAVAILABLE", "reason": "unloaded"}]
             with pytest.raises(th.InferenceServerException, match="authorization: Bearer") as caught:
@@ -175,7 +175,7 @@ def test_stop_answers_every_rest_request_it_received(rm1) -> None:
     first_done = threading.Event()
 
     def call() -> None:
-        with th.InferenceServerClient(server.http_url, network_timeout=60.0) as client:
+        with http_client(server.http_url) as client:
             try:
                 scores = client.infer("rm1", http_inputs(th, big, binary=True)).as_numpy("scores")
                 outcomes.append("ok" if scores.shape == (1000, 1) else f"shape {scores.shape}")
