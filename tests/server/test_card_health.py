@@ -18,16 +18,17 @@ import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
 import models
-from backends.registry import get_backend
 from backends.simcard import SimCardBackend, service_seconds
 from backends.spec import load_spec
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+from partitioner.artifacts import write_artifacts
+from partitioner.compile import DENSE_PARTITION, partition_builtin
 from server.app import BackgroundServer, ServerConfig
 from server.batcher import BatchingConfig, BatchInfo
 from server.card_health import CardDeadlines, CardHang, NoHealthyCardLeft, expected_card_seconds
 from server.core import InferenceCore
-from server.loader import load_host_stage, load_partitioned
+from server.loader import load_from_repository, load_host_stage, load_partitioned
 from server.metrics import ServerMetrics
+from server.repository import ModelRepository
 from server.runtime import PlanRuntime
 from tests.backends.factories import FakeClock, batch, device, mlp
 from tests.conftest import triton_inputs
@@ -57,12 +58,6 @@ def _cards(rm1, faults: list[dict], spec=None) -> list:
     dense = partitioned.artifacts[DENSE_PARTITION]
     return [SimCardBackend(faults=f).load(dense, dataclasses.replace(spec, name=f"m2/card{i}"))
             for i, f in enumerate(faults)]
-
-
-def _host_dense(rm1):
-    _, partitioned = rm1
-    ort, plan = get_backend("onnxruntime"), partitioned.plan
-    return ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), plan.device(plan.devices_of(HOST_PARTITION)[0]).spec)
 
 
 def _runtime(rm1, cards, **kwargs) -> PlanRuntime:
@@ -282,3 +277,26 @@ async def test_a_healthy_busy_runtime_sees_no_hang(rm1) -> None:
     assert runtime.router.healthy == list(range(6))
     await _until(lambda: _idle(runtime), timeout=5)
     runtime.close()
+
+
+def test_a_models_config_pbtxt_sets_its_card_deadlines(rm1, tmp_path) -> None:
+    _, partitioned = rm1
+    write_artifacts(partitioned, tmp_path / "repo" / "rm1" / "1")
+    (tmp_path / "repo" / "rm1" / "config.pbtxt").write_text(
+        'parameters { key: "sixfold.card_timeout_floor_ms" value { string_value: "250" } }\n'
+        'parameters { key: "sixfold.card_timeout_multiple" value { string_value: "2.5" } }\n')
+    metrics = ServerMetrics()
+    served = load_from_repository(ModelRepository(tmp_path / "repo"), "rm1", "1", backend="simcard",
+                                  metrics=metrics, batching=BatchingConfig(), card_timeout_floor_s=9.0)
+    try:
+        assert (served.runtime.deadlines.floor_s, served.runtime.deadlines.multiple) == (0.25, 2.5)
+        served.runtime.on_card_fault(1, "late")  # the loader wired the runtime's faults to the metrics
+        assert metrics.registry.get_sample_value("sixfold_card_faults_total",
+                                                 {"model": "rm1", "card": "card1", "kind": "late"}) == 1
+    finally:
+        served.runtime.close()
+    (tmp_path / "repo" / "rm1" / "config.pbtxt").write_text(
+        'parameters { key: "sixfold.card_timeout_multiple" value { string_value: "-1" } }\n')
+    with pytest.raises(ValueError, match="sixfold.card_timeout_multiple.*must be a finite number >= 0"):
+        load_from_repository(ModelRepository(tmp_path / "repo"), "rm1", "1", backend="simcard",
+                             metrics=metrics, batching=BatchingConfig())
