@@ -606,17 +606,19 @@ class PlanRuntime:
             loop = asyncio.get_running_loop()
             try:
                 await asyncio.wait([attempt.task], timeout=max(0.0, attempt.deadline - loop.time()))
-            finally:
+            except asyncio.CancelledError:  # the runtime is closing: no verdict on the card
+                attempt.task.cancel()
                 self.router.release(attempt.index, attempt.rows, attempt.expected_s)
-                if not attempt.task.done():
-                    attempt.task.cancel()
-                    text = f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)"
-                    self._fault(attempt.index, "hang", text)
-                elif not attempt.task.cancelled() and attempt.task.exception() is not None:
-                    exc = attempt.task.exception()
-                    self._fault(attempt.index, "error", f"card{attempt.index} failed ({type(exc).__name__}: {exc})")
-                else:
-                    self._strikes[attempt.index] = 0
+                raise
+            self.router.release(attempt.index, attempt.rows, attempt.expected_s)
+            if not attempt.task.done():
+                attempt.task.cancel()
+                self._fault(attempt.index, "hang", f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)")
+            elif not attempt.task.cancelled() and attempt.task.exception() is not None:
+                exc = attempt.task.exception()
+                self._fault(attempt.index, "error", f"card{attempt.index} failed ({type(exc).__name__}: {exc})")
+            else:
+                self._strikes[attempt.index] = 0
 
         task = asyncio.ensure_future(watch())
         self._watchers.add(task)

@@ -300,3 +300,13 @@ def test_a_models_config_pbtxt_sets_its_card_deadlines(rm1, tmp_path) -> None:
     with pytest.raises(ValueError, match="sixfold.card_timeout_multiple.*must be a finite number >= 0"):
         load_from_repository(ModelRepository(tmp_path / "repo"), "rm1", "1", backend="simcard",
                              metrics=metrics, batching=BatchingConfig())
+
+
+async def test_closing_while_a_hedged_copy_runs_gives_no_verdict_on_its_card(rm1) -> None:
+    runtime = _runtime(rm1, _cards(rm1, [{"hang": True}, {}]), card_timeout_floor_s=1.0, hedge_fraction=0.1)
+    runtime.router.loads[1].last_used = 10
+    await asyncio.wait_for(runtime.run(_request(2), BatchInfo()), 10)  # card1's copy answered at ~0.1 s
+    assert runtime.router.loads[0].outstanding_batches == 1  # card0's copy is still watched
+    runtime.close()
+    await asyncio.sleep(0.05)
+    assert runtime.fault_counts == {(0, "late"): 1} and runtime.router.healthy == [0, 1] and _idle(runtime)
