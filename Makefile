@@ -1,4 +1,4 @@
-# sixfold: make install | demo | serve | test | bench   (everything lives in .venv)
+# sixfold: make install | demo | serve | test | bench | perf-analyzer   (everything lives in .venv)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ MODEL  ?= rm2
 MAX_ROWS ?= 50000
 CARDS  ?= 6
 
-.PHONY: install demo serve test bench clean mlserver-venv
+.PHONY: install demo serve test bench clean mlserver-venv perf-analyzer
 
 install: $(STAMP)
 
@@ -30,6 +30,18 @@ test: install
 
 bench: install
 	$(PY) bench/run_all.py
+
+# Triton's perf_analyzer against a running server (make serve): scripts/perf_analyzer fetches the
+# libraries it needs on first use; the queries are sixfold-loadgen's, exported once to PA_DATA.
+PA_URL  ?= 127.0.0.1:8001
+PA_DATA ?= runs/perf_analyzer/$(MODEL).json
+ARGS    ?= -m $(MODEL) -i grpc -u $(PA_URL) --input-data $(PA_DATA) --concurrency-range 1:4 \
+           --measurement-interval 3000
+
+perf-analyzer: install
+	@test -f $(PA_DATA) || $(VENV)/bin/sixfold-loadgen --url $(PA_URL) --model $(MODEL) --pool 16 \
+		--export-perf-analyzer $(PA_DATA)
+	scripts/perf_analyzer $(ARGS)
 
 # Seldon MLServer 1.7 serving the same torch model: the non-sixfold KServe v2 peer (benchmarks only).
 mlserver-venv: .venv-mlserver/.stamp
