@@ -27,7 +27,8 @@ def documents(folder: str) -> list[tuple[Path, dict[str, Any]]]:
 def only(docs: list[tuple[Path, dict[str, Any]]], kind: str, name: str | None = None) -> dict[str, Any]:
     """The one document of ``kind`` (and ``name``): fails naming what there is otherwise."""
     found = [d for _, d in docs if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)} among {[d.get('kind') for _, d in docs]}"
+    kinds = [d.get("kind") for _, d in docs]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)} among {kinds}"
     return found[0]
 
 

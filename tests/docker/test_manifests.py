@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -380,3 +382,17 @@ def test_the_sizing_example_in_the_docs_adds_up():
     for figure in ("11.91", "2026-11-23", f"ceil({target} / ({per_pod} × {headroom}))", f"= {replicas}"):
         assert figure in text, figure
     assert "11.91" in (DOCKER.parent / "BENCHMARKS.md").read_text()
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
+def test_kustomize_renders_exactly_the_listed_objects():
+    rendered = subprocess.run(["kubectl", "kustomize", str(DOCKER / "k8s")], capture_output=True, text=True,
+                              timeout=60, check=True).stdout
+    docs = list(yaml.safe_load_all(rendered))
+    listed = {(d["kind"], d["metadata"]["name"]) for p, d in K8S
+              if p.name in only(K8S, "Kustomization")["resources"]}
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} == listed
+    for doc in docs:
+        k8s_strict.load(doc)
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "sixfold:latest"
