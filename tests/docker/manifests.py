@@ -11,9 +11,11 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DOCKER", "Dockerfile", "container_ports", "documents", "only", "serve_command"]
+__all__ = ["DOCKER", "DRAIN_PHASES", "Dockerfile", "container_ports", "documents", "only", "serve_command"]
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
+DRAIN_PHASES = 4
+"""server.app.SixfoldServer.stop: queue drain, quiet period, REST close, gRPC close, each within the grace."""
 
 
 def documents(folder: str) -> list[tuple[Path, dict[str, Any]]]:

@@ -14,10 +14,9 @@ from loadgen.cli import build_parser as loadgen_parser
 from server.app import ServerConfig
 from server.cli import _parser
 from tests.docker.conftest import Pod
-from tests.docker.manifests import DOCKER, Dockerfile
+from tests.docker.manifests import DOCKER, DRAIN_PHASES, Dockerfile
 
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
-DRAIN_PHASES = 4  # as in test_manifests: each drain phase of SixfoldServer.stop may take the whole grace
 
 
 def _seconds(text: str) -> float:

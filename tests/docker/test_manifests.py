@@ -31,14 +31,12 @@ from server.process import ReadyProcess
 from tests.conftest import free_port, triton_inputs
 from tests.docker import k8s_strict
 from tests.docker.conftest import SMALL_ROWS, Pod, deployment_container, start_like_the_pod
-from tests.docker.manifests import DOCKER, Dockerfile, container_ports, documents, only, serve_command
+from tests.docker.manifests import DOCKER, DRAIN_PHASES, Dockerfile, container_ports, documents, only, serve_command
 
 SCHEMAS = Path(__file__).parent / "schemas"
 K8S, KSERVE = documents("k8s"), documents("kserve")
 OPTIONAL_EXTRAS = {"prometheus-adapter-rules.yaml", "servicemonitor.yaml"}
 """docker/k8s files deliberately left out of kustomization.yaml (they need other components; docs/deploy.md)."""
-DRAIN_PHASES = 4
-"""server.app.SixfoldServer.stop: queue drain, quiet period, REST close, gRPC close, each within the grace."""
 
 
 def _schema(name: str) -> dict:
