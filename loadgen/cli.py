@@ -2,19 +2,25 @@
 
 Modes: open loop at ``--qps`` (default), closed loop (``--concurrency N``),
 ``--find-max-qps`` (a search over open-loop rates), ``--replay`` of a
-``--record``-ed run, and ``--export-perf-analyzer`` (write queries, send nothing).
+``--record``-ed run, ``--export-perf-analyzer`` (write queries, send nothing) and
+``--mlperf-scenario server|offline`` (MLCommons LoadGen drives and judges the run).
 
-Exit status: 0 after a run (even one with request errors: the report says),
-1 when the run could not happen (unreachable server, unknown model, unusable
-signature), 2 for bad arguments. Errors are one line, never a traceback.
+Exit status: 0 after a run (even one with request errors: the report says; an
+MLPerf run VALID or INVALID: it prints which), 1 when the run could not happen
+(unreachable server, unknown model, unusable signature), 2 for bad arguments,
+3 for an MLPerf run that LoadGen judged INVALID (or that had failed requests)
+when ``--mlperf-require-valid`` is given. Errors are one line, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -100,13 +106,76 @@ def build_parser() -> argparse.ArgumentParser:
     traces.add_argument("--export-perf-analyzer", default=None, metavar="PATH",
                         help="write the queries as perf_analyzer --input-data JSON (first --max-requests, "
                              "else --pool of them) and exit")
+    mlperf = p.add_argument_group("MLPerf LoadGen (mlcommons-loadgen drives the run and judges it; "
+                                  "see docs/mlperf.md)")
+    mlperf.add_argument("--mlperf-scenario", choices=("server", "offline"), default=None,
+                        help="run LoadGen's Server (Poisson at --qps, latency bound) or Offline (all samples "
+                             "at once, throughput) scenario; --duration is the minimum duration "
+                             "(default 600 s, MLPerf's)")
+    mlperf.add_argument("--mlperf-latency-ms", type=float, default=60.0,
+                        help="Server: latency bound at --mlperf-latency-percentile (default 60)")
+    mlperf.add_argument("--mlperf-latency-percentile", type=float, default=99.0,
+                        help="Server: the percentile the bound applies to (default 99)")
+    mlperf.add_argument("--mlperf-min-queries", type=int, default=None,
+                        help="LoadGen's min_query_count (default MLPerf's: 270336 queries for Server, "
+                             "24576 samples for Offline); lower it for short, non-compliant runs")
+    mlperf.add_argument("--mlperf-samples", type=int, default=1024,
+                        help="query sample library size: distinct pre-generated queries (default 1024)")
+    mlperf.add_argument("--mlperf-log-dir", default="runs/mlperf",
+                        help="where LoadGen writes mlperf_log_summary.txt and mlperf_log_detail.txt "
+                             "(default runs/mlperf)")
+    mlperf.add_argument("--mlperf-require-valid", action="store_true",
+                        help="exit 3 when LoadGen judges the run INVALID or a request failed")
     p.add_argument("--processes", type=int, default=1,
                    help="spread an open-loop run over N generator processes (when one falls behind)")
     p.add_argument("--quiet", action="store_true", help="no live progress and no table")
     return p
 
 
+_MLPERF_EXCLUSIVE = (("find_max_qps", "--find-max-qps"), ("replay", "--replay"), ("record", "--record"),
+                     ("export_perf_analyzer", "--export-perf-analyzer"), ("plot", "--plot"),
+                     ("max_requests", "--max-requests"))
+
+
+def _mlperf_settings(args: argparse.Namespace) -> Any:
+    """The MLPerf settings from the flags (ValueError names the flag)."""
+    from .mlperf import MLPERF_MIN_DURATION_S, MLPerfSettings
+    for attr, flag in _MLPERF_EXCLUSIVE:
+        if getattr(args, attr):
+            raise ValueError(f"{flag} does not go with --mlperf-scenario (LoadGen decides what is sent)")
+    if args.processes != 1:
+        raise ValueError("--processes does not go with --mlperf-scenario")
+    if args.qps is None or not args.qps > 0:
+        raise ValueError("--mlperf-scenario needs --qps > 0 (Server: target QPS; Offline: expected QPS)")
+    if args.concurrency is not None and args.mlperf_scenario == "server":
+        raise ValueError("--concurrency applies to --mlperf-scenario offline only (requests outstanding)")
+    if not 0 < args.mlperf_latency_percentile < 100:
+        raise ValueError(f"--mlperf-latency-percentile must be in (0, 100), got {args.mlperf_latency_percentile:g}")
+    for flag, value in (("--mlperf-latency-ms", args.mlperf_latency_ms),
+                        ("--duration", args.duration if args.duration is not None else 1.0)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g}")
+    for flag, number in (("--mlperf-min-queries", args.mlperf_min_queries), ("--mlperf-samples", args.mlperf_samples),
+                         ("--concurrency", args.concurrency)):
+        if number is not None and number < 1:
+            raise ValueError(f"{flag} must be >= 1, got {number}")
+    return MLPerfSettings(
+        scenario=args.mlperf_scenario, qps=args.qps, latency_ms=args.mlperf_latency_ms,
+        latency_percentile=args.mlperf_latency_percentile,
+        min_duration_s=args.duration if args.duration is not None else MLPERF_MIN_DURATION_S,
+        min_queries=args.mlperf_min_queries, samples=args.mlperf_samples, log_dir=args.mlperf_log_dir,
+        offline_inflight=args.concurrency or 8)
+
+
 def _config(args: argparse.Namespace) -> LoadConfig:
+    if args.mlperf_scenario:
+        # NOTE: LoadGen owns rate and duration; the LoadConfig only names the server and the queries.
+        return LoadConfig(
+            url=args.url, model=args.model, model_version=args.model_version, qps=args.qps or 1.0,
+            duration_s=1.0, query_size=args.query_size, seed=args.seed, wait_ready_s=args.wait_ready,
+            table_rows=parse_int_list(args.table_rows, "--table-rows") if args.table_rows else None,
+            pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
+            dense_dim=args.dense_dim, zipf=_zipf(args), client=args.client)
     rate_free = args.concurrency is not None or args.replay or args.arrival.strip().lower().startswith("trace:")
     if args.qps is None and not (rate_free or args.find_max_qps or args.export_perf_analyzer):
         raise ValueError("--qps is required (or give --concurrency, --find-max-qps, --replay, "
@@ -117,7 +186,6 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         raise ValueError("--report PATH is required")
     if args.find_max_qps and args.p99_ms is None:
         raise ValueError("--find-max-qps needs --p99-ms (the p99 latency target)")
-    zipf = parse_float_list(args.zipf, "--zipf") if args.zipf else None
     qps = args.qps
     if qps is None:
         # NOTE: a search sets each step's rate; an export only needs the queries' order (nominal rate).
@@ -130,9 +198,48 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         drain_timeout_s=args.drain_timeout, pool=args.pool,
         table_rows=parse_int_list(args.table_rows, "--table-rows") if args.table_rows else None,
         pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
-        dense_dim=args.dense_dim, zipf=zipf[0] if zipf and len(zipf) == 1 else zipf,
+        dense_dim=args.dense_dim, zipf=_zipf(args),
         id_drift=args.id_drift, concurrency=args.concurrency, record_path=args.record, replay_path=args.replay,
         client=args.client, lag_threshold_ms=args.lag_threshold_ms)
+
+
+def _zipf(args: argparse.Namespace) -> float | tuple[float, ...] | None:
+    zipf = parse_float_list(args.zipf, "--zipf") if args.zipf else None
+    return zipf[0] if zipf and len(zipf) == 1 else zipf
+
+
+def _run_mlperf(args: argparse.Namespace, config: LoadConfig, settings: Any, console: Console | None) -> int:
+    from .mlperf import run_mlperf
+    if console is not None:
+        console.print(f"MLPerf LoadGen {settings.scenario}: {config.model} @ {config.url}, "
+                      f"{settings.qps:g} q/s, >= {settings.min_duration_s:g} s and >= "
+                      f"{settings.min_query_count} {'queries' if settings.scenario == 'server' else 'samples'}"
+                      + (f", p{settings.latency_percentile:g} <= {settings.latency_ms:g} ms"
+                         if settings.scenario == "server" else ""), markup=False, highlight=False)
+    result = run_mlperf(config, settings)
+    if args.report:
+        path = Path(args.report)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    pct = f"p{settings.latency_percentile:g}"
+    latency = result.latency_ms.get(pct)
+    lines = [f"MLPerf {settings.scenario.capitalize()}: {result.result} (LoadGen's verdict)",
+             f"  {'completed' if settings.scenario == 'server' else 'achieved'} samples/s: "
+             f"{result.samples_per_s if result.samples_per_s is not None else float('nan'):.2f}"
+             f" (target {settings.qps:g}); {pct} latency: "
+             + (f"{latency:.1f} ms" if latency is not None else "n/a")
+             + (f" (bound {settings.latency_ms:g} ms)" if settings.scenario == "server" else ""),
+             "  checks: " + (", ".join(f"{k.replace('_', ' ')} {'yes' if v else 'NO'}"
+                                       for k, v in result.checks.items()) or "none"),
+             f"  requests: {result.samples_sent} sent, {result.errors} failed"
+             + (f", {result.retries} retried after RESOURCE_EXHAUSTED" if result.retries else "")
+             + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(result.errors_by_reason.items()))})"
+                if result.errors else ""),
+             f"  logs: {result.summary_path}, {result.detail_path}" + (f"; report: {args.report}" if args.report else "")]
+    print("\n".join(lines))
+    if args.mlperf_require_valid and (not result.valid or result.errors):
+        return 3
+    return 0
 
 
 def _fail(message: str, code: int) -> int:
@@ -166,10 +273,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run, write the report; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        settings = _mlperf_settings(args) if args.mlperf_scenario else None
         config = _config(args)
     except ValueError as exc:
         return _fail(str(exc), 2)
     console = Console()
+    if settings is not None:
+        try:
+            return _run_mlperf(args, config, settings, None if args.quiet else console)
+        except ValueError as exc:
+            return _fail(str(exc), 2)
+        except (LoadgenError, RuntimeError, TimeoutError, OSError) as exc:
+            return _fail(str(exc), 1)
+        except KeyboardInterrupt:
+            return _fail("interrupted", 130)
     try:
         report = _run(args, config, None if args.quiet else console)
     except ValueError as exc:

@@ -64,8 +64,10 @@ class Transport(Protocol):
         """Open the connection before the clock starts, so the first request does not pay for it."""
         ...
 
-    async def infer(self, payload: Any, items: int) -> None:
-        """Send one query and check the answer; raise ``RequestFailed`` on any error."""
+    async def infer(self, payload: Any, items: int) -> bytes:
+        """Send one query and check the answer; return the scores' bytes (FP32, little-endian).
+
+        Raise ``RequestFailed`` on any error."""
         ...
 
     async def close(self) -> None: ...
@@ -74,6 +76,13 @@ class Transport(Protocol):
 def _check_scores(shape: list[int] | tuple[int, ...], name: str, items: int) -> None:
     if name != SCORES or list(shape) != [items, 1]:
         raise RequestFailed("bad_output", f"expected {SCORES} [{items}, 1], got {name} {list(shape)}")
+
+
+def _scores_bytes(response: Any) -> bytes:
+    """The one output's values as raw FP32 bytes, whether sent raw or as typed contents."""
+    if response.raw_output_contents:
+        return bytes(response.raw_output_contents[0])
+    return np.asarray(response.outputs[0].contents.fp32_contents, dtype="<f4").tobytes()
 
 
 class RawGrpcTransport:
@@ -100,7 +109,7 @@ class RawGrpcTransport:
         except asyncio.TimeoutError:
             raise LoadgenError(f"cannot open a gRPC channel to {self.url} within {timeout_s:g} s") from None
 
-    async def infer(self, payload: bytes, items: int) -> None:
+    async def infer(self, payload: bytes, items: int) -> bytes:
         try:
             response = await self._call(payload)
         except grpc.aio.AioRpcError as exc:
@@ -108,6 +117,7 @@ class RawGrpcTransport:
         if len(response.outputs) != 1:
             raise RequestFailed("bad_output", f"expected 1 output, got {len(response.outputs)}")
         _check_scores(response.outputs[0].shape, response.outputs[0].name, items)
+        return _scores_bytes(response)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -131,7 +141,7 @@ class TritonClientTransport:
     async def connect(self, timeout_s: float) -> None:
         """The client's channel is already open: readiness and discovery went through it."""
 
-    async def infer(self, payload: list[tritonaio.InferInput], items: int) -> None:
+    async def infer(self, payload: list[tritonaio.InferInput], items: int) -> bytes:
         try:
             result = await self.client.infer(self.model, payload, model_version=self.version,
                                              outputs=self._outputs)
@@ -141,6 +151,7 @@ class TritonClientTransport:
         if len(response.outputs) != 1:
             raise RequestFailed("bad_output", f"expected 1 output, got {len(response.outputs)}")
         _check_scores(response.outputs[0].shape, response.outputs[0].name, items)
+        return _scores_bytes(response)
 
     async def close(self) -> None:
         """The client belongs to the caller, who closes it."""

@@ -50,4 +50,4 @@ def test_bad_arguments_reach_perf_analyzer(perf_analyzer) -> None:
     result = subprocess.run([str(perf_analyzer), "-i", "grpc", "-u", "127.0.0.1:1"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode != 0
-    assert "-m" in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "Failed to parse -m (model name)" in result.stdout + result.stderr, result.stdout + result.stderr
