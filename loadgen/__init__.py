@@ -9,8 +9,9 @@ scheduled time, so a stalled server shows its stall (no coordinated omission).
     report.write_json("run.json"); print(report.latency_ms["p99"])
 
 Also closed loop (``LoadConfig(concurrency=N)``), ``find_max_qps`` (highest QPS
-under a p99 target), record/replay (``record_path``/``replay_path``) and
-perf_analyzer input-data export.
+under a p99 target), record/replay (``record_path``/``replay_path``),
+perf_analyzer input-data export, and MLPerf LoadGen's Server and Offline
+scenarios (``run_mlperf``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .config import LoadConfig
 from .driver import ClosedLoopDriver, OpenLoopDriver
 from .export import export_perf_analyzer_async, write_perf_analyzer_json
 from .errors import LoadgenError
+from .mlperf import MLPerfResult, MLPerfSettings, parse_summary, run_mlperf
 from .record import RunRecord
 from .recording import Recording, load_recording, save_recording
 from .report import Report, print_report
@@ -41,4 +43,5 @@ __all__ = [
     "Recording", "save_recording", "load_recording", "write_perf_analyzer_json", "export_perf_analyzer_async",
     "ModelShape", "ShapeOverrides", "discover_shape", "shape_from", "wait_until_ready",
     "Transport", "RawGrpcTransport", "TritonClientTransport", "RequestFailed",
+    "MLPerfSettings", "MLPerfResult", "run_mlperf", "parse_summary",
 ]

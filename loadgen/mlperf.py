@@ -121,7 +121,12 @@ class MLPerfResult:
 
     @property
     def valid(self) -> bool:
-        return self.result == "VALID"
+        """LoadGen said VALID and every request was answered.
+
+        LoadGen cannot tell a failed request from an answer (its sample still
+        completes, often fast), so failures void the result here.
+        """
+        return self.result == "VALID" and self.errors == 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "valid": self.valid}
