@@ -57,6 +57,10 @@ class PartitionedModel:
     """Its node -> partition labels (node names for ONNX models)."""
     variants: dict[str, list[PartitionArtifact]] = field(default_factory=dict)
     """Other formats of the same partition (the dense part as a torch FX module, say)."""
+    costs: dict[str, PartitionCost] = field(default_factory=dict)
+    """The cost model's inputs per partition (op profiles included), as the estimates priced them."""
+    io_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Bytes in and out per item of each partition over its device's link (host stage: none)."""
 
     def artifact_for(self, partition: str, backend: "Backend") -> PartitionArtifact:
         """The partition in a format ``backend`` takes; ValueError naming the formats when none fits."""
@@ -240,7 +244,7 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         artifacts.update(staged.artifacts)
         variants = staged.variants
     return PartitionedModel(plan=plan, artifacts=artifacts, split=split, graph=gm, labels=labels,
-                            variants=variants)
+                            variants=variants, costs=costs, io_bytes=io_bytes)
 
 
 @dataclass
