@@ -38,6 +38,8 @@ class DeviceSpec:
     kind: str = "card"
     """"card" (accelerator), "gpu", or "host"."""
     description: str = field(default="", compare=False)
+    power_watts: float = 0.0
+    """Typical board power (TDP), watts; 0: not known. Capacity planning (``sixfold-simulate``) sums it."""
     # Calibrated, op-level figures (``backends.calibrate`` measures them). All optional: a spec
     # without them is priced by the roofline above; with any of them, a partition that carries
     # an op profile is priced op by op (``partitioner.cost.stage_seconds``).
@@ -78,7 +80,7 @@ class DeviceSpec:
             raise ValueError(f"spec {self.name}: matmul_efficiency FLOPs must rise strictly, got "
                              f"{[f for f, _ in table]}")
         for name in ("gather_bandwidth", "per_id_seconds", "per_index_seconds", "per_op_seconds",
-                     "per_batch_seconds"):
+                     "per_batch_seconds", "power_watts"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"spec {self.name}: {name} must be a finite number >= 0, got {value!r}")
