@@ -24,13 +24,14 @@ from .arrivals import ConstantArrivals, TraceArrivals, parse_arrival
 from .clock import Clock, MonotonicClock
 from .config import CLOSED_LOOP_QUERIES, LoadConfig
 from .driver import ClosedLoopDriver, OpenLoopDriver
+from .errors import LoadgenError
 from .progress import live_progress
 from .record import RunRecord
 from .recording import Recording, load_recording, save_recording
 from .report import Report
 from .schedule import QueryPool, Schedule, build_schedule
 from .stats import latency_cdf, timeline, window_stats
-from .target import ModelShape, ShapeOverrides, discover_shape, wait_until_ready
+from .target import ModelShape, ShapeOverrides, discover_shape, published_facts, wait_until_ready
 from .transport import Transport, make_client, make_transport
 
 __all__ = ["run_load", "run_load_async", "plan_run", "summarize", "drive", "Target", "resolve_config",
@@ -45,15 +46,37 @@ def generator_for(config: LoadConfig, shape: ModelShape) -> RequestGenerator:
                             seed=config.seed + 1)
 
 
+def _recorded_shape(recording: Recording) -> dict[str, Any]:
+    """The recording's model shape as LoadConfig overrides (empty for what it does not say)."""
+    shape = recording.shape
+    out: dict[str, Any] = {}
+    if shape.get("table_rows"):
+        out["table_rows"] = tuple(int(r) for r in shape["table_rows"])
+    if shape.get("pooling"):
+        out["pooling"] = tuple(int(p) for p in shape["pooling"])
+    if shape.get("dense_dim"):
+        out["dense_dim"] = int(shape["dense_dim"])
+    if shape.get("zipf") is not None:
+        zipf = shape["zipf"]
+        out["zipf"] = tuple(float(z) for z in zipf) if isinstance(zipf, list) else float(zipf)
+    return out
+
+
 def resolve_config(config: LoadConfig, recording: Recording | None = None) -> LoadConfig:
-    """Fill in what ``config`` leaves to its inputs: the trace's rate, or a replayed run's window."""
+    """Fill in what ``config`` leaves to its inputs: the trace's rate, or a replayed run's window and shape.
+
+    A replay takes the model shape (table rows, pooling, dense dim, zipf) from
+    the recording, so it needs no ``--table-rows`` even against a server that
+    does not publish them; the server's own metadata is checked against it.
+    """
     if recording is not None:
         recorded = recording.meta.get("config", {})
         return dataclasses.replace(
             config, qps=float(recorded.get("qps") or recording.meta.get("offered_qps") or 0.0),
             duration_s=float(recorded.get("duration_s", config.duration_s)),
             warmup_s=float(recorded.get("warmup_s", 0.0)), arrival="replay",
-            query_size=str(recorded.get("query_size", config.query_size)), concurrency=None, max_requests=None)
+            query_size=str(recorded.get("query_size", config.query_size)), concurrency=None, max_requests=None,
+            **_recorded_shape(recording))
     if config.concurrency is None and config.qps == 0:
         arrival = parse_arrival(config.arrival)
         if isinstance(arrival, TraceArrivals):
@@ -83,9 +106,9 @@ def plan_run(config: LoadConfig, shape: ModelShape, encode: Callable[[dict[str, 
 def schedule_from_recording(recording: Recording, encode: Callable[[dict[str, np.ndarray]], Any],
                             *, keep_tensors: bool = False) -> Schedule:
     """The recorded run's schedule: its due times, and the very tensors each request carried."""
-    pool = QueryPool(tuple(encode(t) for t in recording.tensors),
-                     np.asarray([t["dense_features"].shape[0] for t in recording.tensors], dtype=np.int64),
-                     recording.tensors if keep_tensors else None)
+    tensors = recording.tensors  # rebuilt from the recipe (and checked) before anything is sent
+    pool = QueryPool(tuple(encode(t) for t in tensors), np.asarray(recording.pool_items, dtype=np.int64),
+                     tensors if keep_tensors else None, recording.recipe)
     return Schedule(np.asarray(recording.due, dtype=np.float64), np.asarray(recording.query), pool)
 
 
@@ -142,8 +165,11 @@ def summarize(record: RunRecord, config: LoadConfig, target: dict[str, Any], *,
 class Target:
     """``async with Target(config) as t``: a ready server, the model's shape, an open transport."""
 
-    def __init__(self, config: LoadConfig, client_factory: ClientFactory = make_client) -> None:
+    def __init__(self, config: LoadConfig, client_factory: ClientFactory = make_client, *,
+                 recorded_shape: dict[str, Any] | None = None) -> None:
         self.config = config
+        self.recorded_shape = recorded_shape
+        """A replayed recording's shape: the server's must agree with it (checked on entry)."""
         self.client = client_factory(config.url)
         self.transport: Transport | None = None
         self.shape: ModelShape | None = None
@@ -153,7 +179,13 @@ class Target:
         try:
             await wait_until_ready(self.client, config.url, config.model, config.model_version, config.wait_ready_s)
             overrides = ShapeOverrides(config.table_rows, config.pooling, config.dense_dim, config.zipf)
+            if self.recorded_shape is not None:
+                await self._check_recorded_shape()
             self.shape = await discover_shape(self.client, config.model, config.model_version, overrides)
+            if self.recorded_shape is not None:
+                for key in ("table_rows", "pooling", "dense_dim", "zipf"):
+                    if key in self.recorded_shape:
+                        self.shape.sources[key] = "recording"
             self.transport = make_transport(config.client, config.url, self.client, config.model,
                                             config.model_version)
             await self.transport.connect(max(1.0, config.wait_ready_s))
@@ -161,6 +193,30 @@ class Target:
             await self.__aexit__()
             raise
         return self
+
+    async def _check_recorded_shape(self) -> None:
+        """Refuse a replay whose recorded features or ids do not fit what the server publishes."""
+        assert self.recorded_shape is not None
+        config, recorded = self.config, self.recorded_shape
+        where, model = repr(config.replay_path), repr(config.model)
+        facts = await published_facts(self.client, config.model, config.model_version)
+        dim = recorded.get("dense_dim")
+        if dim is not None and facts.get("dense_dim") not in (None, dim):
+            raise LoadgenError(f"recording {where} has {dim} dense features per item but model {model} "
+                               f"takes {facts['dense_dim']}")
+        rows = recorded.get("table_rows") or ()
+        if rows and facts.get("tables") not in (None, len(rows)):
+            raise LoadgenError(f"recording {where} has {len(rows)} tables but model {model} has {facts['tables']}")
+        served = facts.get("table_rows")
+        if rows and served:
+            served = served * len(rows) if len(served) == 1 else served
+            short = [(k, r, p) for k, (r, p) in enumerate(zip(rows, served)) if p < r]
+            if short:
+                k, r, p = short[0]
+                more = f" (and {len(short) - 1} more tables)" if len(short) > 1 else ""
+                raise LoadgenError(f"recording {where} was made for {r} rows in table {k}, but model {model} "
+                                   f"has {p}{more}: its ids would be out of range; replay it against the "
+                                   f"model shape it recorded")
 
     async def __aexit__(self, *exc: object) -> None:
         if self.transport is not None:
@@ -225,7 +281,8 @@ async def run_load_async(config: LoadConfig, *, console: Console | None = None, 
     recording = load_recording(config.replay_path) if config.replay_path else None
     config = resolve_config(config, recording)
     keep = config.record_path is not None
-    async with Target(config, client_factory) as target:
+    recorded = _recorded_shape(recording) if recording is not None else None
+    async with Target(config, client_factory, recorded_shape=recorded) as target:
         assert target.transport is not None and target.shape is not None
         prepared = time.perf_counter()
         if recording is not None:
@@ -247,9 +304,12 @@ async def run_load_async(config: LoadConfig, *, console: Console | None = None, 
         n = len(record)
         sent_query = schedule.query[np.arange(n) % max(1, len(schedule))] if config.concurrency else schedule.query
         assert schedule.pool.tensors is not None
+        assert target.shape is not None
+        shape = {k: v for k, v in target.shape.to_dict().items() if k in ("dense_dim", "table_rows", "pooling", "zipf")}
         save_recording(config.record_path, record, sent_query, schedule.pool.tensors,
                        {"config": config.to_dict(), "target": described, "started_at": started_at,
-                        "mode": report.mode, "offered_qps": report.offered_qps})
+                        "mode": report.mode, "offered_qps": report.offered_qps},
+                       recipe=schedule.pool.recipe, shape=shape)
         report.recording = str(config.record_path)
     return report
 

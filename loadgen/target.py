@@ -23,7 +23,7 @@ from models.signature import DENSE, INDICES, LENGTHS
 from .config import parse_int_list
 from .errors import LoadgenError
 
-__all__ = ["ModelShape", "ShapeOverrides", "wait_until_ready", "discover_shape", "shape_from",
+__all__ = ["ModelShape", "ShapeOverrides", "wait_until_ready", "discover_shape", "shape_from", "published_facts",
            "PARAM_TABLE_ROWS", "PARAM_POOLING", "PARAM_ZIPF", "DEFAULT_POOLING", "DEFAULT_ZIPF"]
 
 PARAM_TABLE_ROWS = "sixfold.table_rows"
@@ -196,3 +196,31 @@ async def discover_shape(client: Any, model: str, version: str = "",
     except InferenceServerException:
         config = None  # model configuration is an optional KServe extension
     return shape_from(metadata, config, overrides)
+
+
+async def published_facts(client: Any, model: str, version: str = "", *, timeout_s: float = 10.0) -> dict[str, Any]:
+    """What the server itself says of the shape, with no flags and no defaults.
+
+    Keys present only when published: ``dense_dim``, ``tables`` (from
+    ModelMetadata dims > 0) and ``table_rows`` (``sixfold.table_rows``).
+    """
+    try:
+        metadata = await client.get_model_metadata(model, version, client_timeout=timeout_s)
+    except InferenceServerException as exc:
+        raise LoadgenError(f"ModelMetadata for {model!r} failed: {_status(exc)}: {exc.message()}") from None
+    facts: dict[str, Any] = {}
+    dense, lengths = _dims(metadata, DENSE), _dims(metadata, LENGTHS)
+    if len(dense) == 2 and dense[1] > 0:
+        facts["dense_dim"] = dense[1]
+    if len(lengths) == 2 and lengths[1] > 0:
+        facts["tables"] = lengths[1]
+    try:
+        config = (await client.get_model_config(model, version, client_timeout=timeout_s)).config
+    except InferenceServerException:
+        config = None
+    if (text := _param(config, PARAM_TABLE_ROWS)) is not None:
+        try:
+            facts["table_rows"] = parse_int_list(text, f"server parameter {PARAM_TABLE_ROWS}")
+        except ValueError:
+            pass
+    return facts
