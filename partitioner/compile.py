@@ -389,7 +389,7 @@ def _probe_rows(partitioned: PartitionedModel, pooling: int) -> None:
     rows = probe_table_rows(split.host, list(split.host_inputs), tables=shapes[LENGTHS][1],
                             dense_dim=shapes[DENSE][1], pooling=pooling)
     if rows is None:
-        log.warning("%s: could not tell which lookup serves which table; ids are not range-checked per table "
-                    "by the server (the model must handle any id)", plan.model)
+        log.warning("%s: could not tell which lookup serves which table; the server range-checks ids per lookup "
+                    "instead, after the model's own index arithmetic (partitioner.id_check)", plan.model)
     else:
         plan.tables["rows"] = rows

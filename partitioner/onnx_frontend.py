@@ -3,9 +3,11 @@
 The policy is the torch path's (``sparse_dense.py``, Glow's SparseNN scheme):
 every embedding lookup, its pooling and all their ancestors run on the host;
 everything else is dense. In ONNX a *lookup* is a ``Gather`` (axis 0) on a
-rank-2 initializer (the table) whose ids derive from ``sparse_indices``; its
-*pooling* is the ``ReduceSum``/``ReduceMean`` it reaches through shape-only ops
-(Reshape, Unsqueeze, Squeeze, Cast, Identity, Flatten, Transpose). A lookup
+rank-2 initializer (the table) whose ids derive from ``sparse_indices``, or a
+``GatherND`` on one with indices ``[..., 1]``; its *pooling* is the
+``ReduceSum``/``ReduceMean`` it reaches through shape-only ops (Reshape,
+Unsqueeze, Squeeze, Cast, Identity, Flatten, Transpose) and per-sample weights
+(a ``Mul`` of the rows by a weight, EmbeddingBag-style). A lookup
 with no pooling (one-hot) is still a lookup; its gathered rows cross the cut.
 
     model.onnx --find lookups--> host nodes --cut--> host graph + dense graph
@@ -49,12 +51,16 @@ from .plan import DeviceInfo, PartitionInfo, PartitionPlan, TensorInfo
 from .sparse_dense import DENSE as DENSE_LABEL, HOST
 from .strategy import replicate
 
-__all__ = ["Lookup", "OnnxSplit", "load_onnx", "find_lookups", "cut_onnx", "partition_onnx",
-           "POOLING_OPS", "SHAPE_ONLY_OPS", "MAX_POOLING"]
+__all__ = ["Lookup", "OnnxSplit", "load_onnx", "find_lookups", "cut_onnx", "partition_onnx", "onnx_id_check",
+           "LOOKUP_OPS", "POOLING_OPS", "WEIGHTING_OPS", "SHAPE_ONLY_OPS", "MAX_POOLING"]
 
 log = logging.getLogger(__name__)
 
+LOOKUP_OPS = frozenset({"Gather", "GatherND"})
+"""A lookup: Gather (axis 0) or GatherND (batch_dims 0, indices [..., 1]) on a rank-2 initializer."""
 POOLING_OPS = frozenset({"ReduceSum", "ReduceMean"})
+WEIGHTING_OPS = frozenset({"Mul"})
+"""Per-sample weights: rows x weights between the lookup and its pooling (EmbeddingBag's per_sample_weights)."""
 SHAPE_ONLY_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity", "Flatten", "Transpose"})
 MAX_POOLING = 256
 """Pooling factors tried, 1..MAX_POOLING, when the caller does not give one."""
@@ -244,20 +250,24 @@ def _static_dim(vi: onnx.ValueInfoProto, axis: int) -> int:
 
 
 def find_lookups(model: onnx.ModelProto) -> list[Lookup]:
-    """Every Gather on a rank-2 initializer whose ids derive from ``sparse_indices``, with its pooling.
+    """Every Gather/GatherND on a rank-2 initializer whose ids derive from ``sparse_indices``, with its pooling.
 
     ``model`` must have named nodes (``cut_onnx`` names them); the pooling node
-    is the first ReduceSum/ReduceMean reached through shape-only ops.
+    is the first ReduceSum/ReduceMean reached through shape-only ops and
+    per-sample weighting (a Mul: EmbeddingBag with per_sample_weights).
     """
     graph = _Graph(model)
     lookups = []
     for node in graph.nodes:
-        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+        if node.op_type not in LOOKUP_OPS or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         table = graph.initializers.get(node.input[0])
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if table is None or len(table.dims) != 2 or axis != 0 or INDICES not in graph.depends_on[node.name]:
+        if table is None or len(table.dims) != 2 or INDICES not in graph.depends_on[node.name]:
             continue
+        if node.op_type == "Gather" and next((a.i for a in node.attribute if a.name == "axis"), 0) != 0:
+            continue
+        if node.op_type == "GatherND" and next((a.i for a in node.attribute if a.name == "batch_dims"), 0) != 0:
+            continue  # NOTE: GatherND indices end in a dim of 1 (a row each): [..., 1] -> rows [..., dim]
         lookups.append(Lookup(gather=node.name, pooling=_pooling_of(graph, node), table=table.name,
                               rows=int(table.dims[0]), dim=int(table.dims[1]), ids=node.input[1]))
     return lookups
@@ -269,12 +279,13 @@ def _pooling_of(graph: _Graph, gather: onnx.NodeProto) -> str | None:
         tensor = stack.pop(0)
         for name in graph.consumers.get(tensor, []):
             node = graph.node(name)
-            if name in seen or not node.input or node.input[0] != tensor:
+            # Shape-only ops carry the rows as their first input; a weighting Mul may take them either side.
+            if name in seen or not node.input or (node.input[0] != tensor and node.op_type not in WEIGHTING_OPS):
                 continue
             seen.add(name)
             if node.op_type in POOLING_OPS:
                 return name
-            if node.op_type in SHAPE_ONLY_OPS:
+            if node.op_type in SHAPE_ONLY_OPS or node.op_type in WEIGHTING_OPS:
                 stack.extend(t for t in node.output if t)
     return None
 
@@ -583,9 +594,10 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
                          f"{tables if tables > 0 else '?'} tables (need fixed sizes)")
     lookups = find_lookups(named)
     if not lookups:
-        gathers = [n.name for n in graph.nodes if n.op_type == "Gather"]
-        raise ValueError(f"{where}: no embedding lookup found (a Gather on a rank-2 initializer whose ids come "
-                         f"from {INDICES}); Gather nodes present: {gathers or 'none'}; nothing to place on the host")
+        gathers = [n.name for n in graph.nodes if n.op_type in LOOKUP_OPS]
+        raise ValueError(f"{where}: no embedding lookup found (a Gather or GatherND on a rank-2 initializer whose "
+                         f"ids come from {INDICES}); Gather nodes present: {gathers or 'none'}; nothing to place on "
+                         "the host")
     cut = _cut(graph, lookups, where)
 
     dense_ops = {n for n in cut.dense_nodes if graph.node(n).op_type in ("MatMul", "Gemm")}
@@ -721,3 +733,36 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
             flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item),
     }
     return PartitionedModel(plan=plan, artifacts=artifacts, split=None, graph=split.model, labels=split.labels)
+
+
+def onnx_id_check(host: bytes | onnx.ModelProto, input_names: Sequence[str]) -> Any:
+    """A per-lookup range check of an ONNX host partition (``partitioner.id_check.IdCheck``), or None.
+
+    Keeps the host model's index arithmetic only (the ancestors of each lookup's
+    ids, no table) and runs it on a request in onnxruntime.
+    """
+    from .id_check import IdCheck, LookupRange
+
+    model = _named(host if isinstance(host, onnx.ModelProto) else onnx.load_from_string(host))
+    lookups = find_lookups(model)
+    if not lookups:
+        return None
+    graph = _Graph(model)
+    ids = list(dict.fromkeys(lk.ids for lk in lookups))
+    nodes = graph.ordered(graph.ancestors(graph.producer[t] for t in ids if t in graph.producer))
+    needed = {t for n in nodes for t in graph.reads[n]} | set(ids)
+    outputs = [f"{t}__rows" for t in ids]
+    body = helper.make_graph(
+        [graph.node(n) for n in nodes] + [helper.make_node("Identity", [t], [o]) for t, o in zip(ids, outputs)],
+        "id_check", [vi for name, vi in graph.inputs.items() if name in needed],
+        [onnx.ValueInfoProto(name=o) for o in outputs],
+        initializer=[t for t in model.graph.initializer if t.name in needed])
+    session = _session(helper.make_model(body, opset_imports=list(model.opset_import), ir_version=model.ir_version))
+    feeds = [i.name for i in session.get_inputs()]
+    order = [outputs[ids.index(lk.ids)] for lk in lookups]
+
+    def run(inputs):
+        out = dict(zip(outputs, session.run(outputs, {n: np.asarray(inputs[n]) for n in feeds})))
+        return [out[o].reshape(-1) for o in order]
+
+    return IdCheck(run, [LookupRange(lk.gather, lk.rows) for lk in lookups])

@@ -25,7 +25,7 @@ from .model_config import settings_from_proto
 from .repository import CONFIG_FILE, ModelRepository
 from .runtime import DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
 
-__all__ = ["load_partitioned", "load_builtin", "load_from_repository", "load_host_stage"]
+__all__ = ["load_partitioned", "load_builtin", "load_from_repository", "load_host_stage", "host_id_check"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,18 @@ def load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executabl
     return registry.get_backend(backend, **options).load(artifact, host_device)
 
 
+def host_id_check(partitioned: Loadable):
+    """A per-lookup range check of the host stage (``partitioner.id_check``), or None when it has none."""
+    artifact = partitioned.artifacts[HOST_PARTITION]
+    if artifact.format == "torch-fx" and hasattr(artifact.payload, "graph"):
+        from partitioner.id_check import IdCheck
+        return IdCheck.from_module(artifact.payload, artifact.input_names)
+    if artifact.format == "onnx":
+        from partitioner.onnx_frontend import onnx_id_check
+        return onnx_id_check(artifact.payload, artifact.input_names)
+    return None
+
+
 def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None,
@@ -108,6 +120,8 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
     served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight, cost=PlanCost.from_plan(plan))
     runtime.on_card_fault = metrics.for_model(served.name, version).card_fault
+    if not plan.tables.get("rows"):  # lookups not matched to tables: check each lookup's rows instead
+        served.id_check = host_id_check(partitioned)
     tables = plan.tables
     if tables.get("rows"):
         served.parameters["sixfold.table_rows"] = ",".join(str(r) for r in tables["rows"])

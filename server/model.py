@@ -35,6 +35,9 @@ class ServedModel:
     """Extra facts published in ModelConfig.parameters (table rows, pooling) for load generators."""
     allow_nonfinite: bool = False
     """Score dense features that are NaN or infinite (default: refuse them with INVALID_ARGUMENT)."""
+    id_check: Any = None
+    """For lookups not matched to tables (no per-table rows): ``check(inputs) -> None | why`` runs the
+    host graph's index arithmetic on the request and checks each lookup's rows (``partitioner.id_check``)."""
 
     def __post_init__(self) -> None:
         # Read at scrape time from the metrics thread: the queue's length, whichever batcher is set by then.
@@ -87,6 +90,10 @@ class ServedModel:
         t0 = time.perf_counter()
         try:
             rows = validate_request(inputs, self.input_specs, self.table_rows, self.allow_nonfinite)
+            if self.id_check is not None and rows:
+                why = self.id_check(inputs)
+                if why is not None:
+                    raise InvalidInput(why)
             unknown = sorted(set(requested) - set(self.output_names)) if requested else ()
             if unknown:
                 raise InvalidInput(f"unknown output(s) {unknown}; the model has {self.output_names}")
