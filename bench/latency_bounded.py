@@ -222,7 +222,8 @@ async def _wait_model(url: str, model: str, timeout_s: float) -> None:
 
 def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool) -> ServerProc:
     argv = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", model, "--max-rows", str(max_rows),
-            "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1"]
+            "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
+            "--http-port", "-1", "--drain-seconds", "0"]
     if not batching:
         argv += ["--max-batch-rows", "1", "--max-queue-delay-us", "0"]
     return ServerProc("sixfold" if batching else "sixfold-nobatch", argv, ready_line="READY grpc=")

@@ -265,7 +265,7 @@ def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: P
     try:
         servers["sixfold"] = Child("sixfold", [str(Path(sys.executable).parent / "sixfold-serve"), "--model", MODEL,
                                                "--cards", "6", "--grpc-port", "0", "--metrics-port", "-1",
-                                               *serve_args])
+                                               "--http-port", "-1", "--drain-seconds", "0", *serve_args])
         servers["echo"] = Child("echo", [sys.executable, str(Path(__file__).resolve()), "--echo-server",
                                          "--port", "0", "--model-from", servers["sixfold"].url])
         data = {n: write_input_data(n, workdir / f"input-{n}.json") for n in sizes}

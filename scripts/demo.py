@@ -23,7 +23,7 @@ BIN = Path(sys.executable).parent
 def _start_server(args: argparse.Namespace) -> ReadyProcess:
     cmd = [str(BIN / "sixfold-serve"), "--model", args.model, "--max-rows", str(args.max_rows),
            "--cards", str(args.cards), "--grpc-port", "0", "--metrics-port", str(args.metrics_port),
-           "--log-level", "WARNING"]
+           "--http-port", "-1", "--drain-seconds", "0", "--log-level", "WARNING"]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "110"}
     server = ReadyProcess(cmd, env=env, timeout_s=args.start_timeout,

@@ -44,8 +44,10 @@ class ServerConfig:
     (``SixfoldServer.http_port`` tells which)."""
     metrics_port: int | None = 8002
     """None disables the metrics endpoint."""
-    max_message_bytes: int = 1 << 30
-    """Largest request or response; a 1000-item rm2 query is ~30 MB of ids."""
+    max_message_bytes: int = 64 << 20
+    """Largest request or response. 64 MiB holds the largest sensible query with room to spare: a
+    1000-item rm2 query is ~30 MB of ids (docs/admission.md); larger messages are refused by gRPC
+    before they are buffered whole."""
     grace_seconds: float = 10.0
     """On shutdown, how long in-flight RPCs may take to finish before they are cancelled."""
     tls_cert: str | None = None
@@ -53,6 +55,13 @@ class ServerConfig:
     tls_key: str | None = None
     control_token: str | None = None
     """When set, model-control RPCs need ``authorization: Bearer <token>``."""
+    metrics_token: str | None = None
+    """When set, a /metrics scrape needs ``Authorization: Bearer <token>``. With TLS on, /metrics
+    is served over HTTPS with the same certificate either way."""
+    drain_seconds: float = 0.0
+    """On shutdown, first report not ready (grpc.health NOT_SERVING, REST ready 400) and keep
+    serving for this long, so load balancers stop sending before anything is refused; then drain.
+    sixfold-serve's default is 5 s; the library's is 0 (tests and notebooks stop at once)."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -64,6 +73,8 @@ class ServerConfig:
             raise ValueError(f"http_port must be in 0..65535 or None, got {self.http_port}")
         if self.max_message_bytes < 1 << 20:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
 
@@ -77,6 +88,10 @@ class SixfoldServer:
         self._server: grpc.aio.Server | None = None
         self._rest: RestServer | None = None
         self._health = HealthServicer()
+        self._serving_metrics = False
+        self.metrics_port: int | None = None
+        """The bound /metrics port, once started with ``config.metrics_port`` set."""
+        self._drain_over: asyncio.Event | None = None
 
     async def start(self) -> int:
         single_threaded_ops_here()  # the event loop runs small batches inline (server.runtime.StageRunner)
@@ -110,11 +125,25 @@ class SixfoldServer:
         for name in ("", _SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.host, self.config.metrics_port)
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port,
+                                                   tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
+                                                   token=self.config.metrics_token)
+            self._serving_metrics = True
         return self.port
 
     async def stop(self) -> None:
-        """Refuse new requests (UNAVAILABLE), answer queued and running ones, then close."""
+        """Report not ready and keep serving for ``drain_seconds``; then refuse new requests
+        (UNAVAILABLE), answer queued and running ones, and close."""
+        if self.config.drain_seconds > 0 and self.core.accepting:
+            self.core.draining = True
+            for name in ("", _SERVICE):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.info("draining: not ready, still serving for %.1fs", self.config.drain_seconds)
+            self._drain_over = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._drain_over.wait(), self.config.drain_seconds)
+            except asyncio.TimeoutError:
+                pass
         await self._health.enter_graceful_shutdown()
         try:
             await asyncio.wait_for(self.core.shutdown(), self.config.grace_seconds)
@@ -129,6 +158,14 @@ class SixfoldServer:
             await self._rest.stop()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
+        if self._serving_metrics:
+            self.metrics.close()
+            self._serving_metrics = False
+
+    def end_drain(self) -> None:
+        """End the drain grace now (sixfold-serve: a second SIGTERM or Ctrl-C); call on the server's loop."""
+        if self._drain_over is not None:
+            self._drain_over.set()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -166,6 +203,10 @@ class BackgroundServer:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=60)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+    def end_drain(self) -> None:
+        """End a running ``stop()``'s drain grace now (from any thread)."""
+        self._loop.call_soon_threadsafe(self.server.end_drain)
 
     def __enter__(self) -> "BackgroundServer":
         return self.start()

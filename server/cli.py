@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --model-control-mode explicit: load NAME at start ('*' for all; repeatable)")
     p.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
                    help="bearer token model-control RPCs must carry (default: $SIXFOLD_CONTROL_TOKEN; unset: none)")
+    p.add_argument("--insecure-model-control", action="store_true",
+                   help="allow --model-control-mode explicit without --control-token (any client may then load "
+                        "and unload models); without it such a server refuses to start")
     p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     p.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
@@ -64,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and REST over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--metrics-token", default=os.environ.get("SIXFOLD_METRICS_TOKEN"),
+                   help="bearer token a /metrics scrape must carry (default: $SIXFOLD_METRICS_TOKEN; unset: none); "
+                        "with --tls-cert, /metrics is served over HTTPS either way")
+    p.add_argument("--drain-seconds", type=float, default=5.0,
+                   help="on SIGTERM, report not ready and keep serving this long before refusing new requests, "
+                        "so load balancers notice first (default 5; 0: refuse at once; a second SIGTERM ends it)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="score dense features that are NaN or infinite (default: refused with INVALID_ARGUMENT "
+                        "naming the input and the first bad position)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest request/response in MiB (default 64)")
     p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
     p.add_argument("--max-card-batch-rows", type=int, default=256,
@@ -115,6 +127,11 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     from .repository import ModelRepository
     from backends.options import load_options_file, parse_option
 
+    if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:
+        raise ValueError("--model-control-mode explicit lets clients load and unload models: give --control-token "
+                         "(or $SIXFOLD_CONTROL_TOKEN), or --insecure-model-control to allow it without a token")
+    if args.drain_seconds < 0:
+        raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     backend_options = load_options_file(args.backend_options_file) if args.backend_options_file else {}
     backend_options.update(parse_option(text) for text in args.backend_option)
     metrics = ServerMetrics()
@@ -131,7 +148,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                           http_port=None if args.http_port < 0 else args.http_port,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                          control_token=args.control_token or None)
+                          control_token=args.control_token or None, metrics_token=args.metrics_token or None,
+                          drain_seconds=args.drain_seconds)
     served_models = []
     if args.model:
         with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
@@ -143,7 +161,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 max_card_rows=args.max_card_batch_rows or None, sparse_on_cards=args.sparse_on_cards,
                 dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows,
                 min_split_rows=args.min_split_rows, card_timeout_multiple=args.card_timeout_multiple,
-                card_timeout_floor_s=args.card_timeout_floor_ms / 1e3)
+                card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -157,7 +175,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         host_dense_max_rows=args.host_dense_max_rows,
                                         min_split_rows=args.min_split_rows,
                                         card_timeout_multiple=args.card_timeout_multiple,
-                                        card_timeout_floor_s=args.card_timeout_floor_ms / 1e3)
+                                        card_timeout_floor_s=args.card_timeout_floor_ms / 1e3,
+                                        allow_nonfinite=args.allow_nonfinite)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()
@@ -174,20 +193,29 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"no model to serve: {args.model_repository} has no model folders")
     server = SixfoldServer(core, config, metrics)
     port = await server.start()
-    metrics_at = f"http://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
+    scheme = "https" if config.tls_cert else "http"
+    metrics_at = f"{scheme}://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
     serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
                         for m in core.all_versions())
-    scheme = "https" if config.tls_cert else "http"
     rest_at = f"{scheme}://{args.host}:{server.http_port}/v2" if server.http_port is not None else "off"
     console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} (gRPC); "
                   f"REST {rest_at}; metrics {metrics_at}", soft_wrap=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:  # the first signal starts the drain; a second one ends its grace at once
+        if stop.is_set():
+            server.end_drain()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # before READY: a caller may signal as soon as it reads it
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
     await stop.wait()
-    console.print("sixfold-serve: shutting down (answering queued requests)...")
+    if args.drain_seconds > 0:
+        console.print(f"sixfold-serve: draining (not ready; still serving for {args.drain_seconds:g} s)...")
+    else:
+        console.print("sixfold-serve: shutting down (answering queued requests)...")
     await server.stop()
     console.print("sixfold-serve: stopped")
     return 0

@@ -29,6 +29,8 @@ class InferenceCore:
         for model in models:
             self.add(model)
         self.accepting = True
+        self.draining = False
+        """Shutting down but still serving (``ServerConfig.drain_seconds``): not ready."""
         self.active_rpcs = 0
         self.last_rpc_at = 0.0
         self.control = None
@@ -43,7 +45,7 @@ class InferenceCore:
 
     @property
     def ready(self) -> bool:
-        return self.accepting and bool(self.versions)
+        return self.accepting and not self.draining and bool(self.versions)
 
     @property
     def models(self) -> dict[str, ServedModel]:

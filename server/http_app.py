@@ -179,7 +179,7 @@ class _Routes:
             self.core.model(*_name_version(request))
         except ModelNotFound:
             return Response(status_code=400)
-        return Response(status_code=200 if self.core.accepting else 400)
+        return Response(status_code=200 if self.core.accepting and not self.core.draining else 400)
 
     @_rest_errors
     async def server_metadata(self, request: Request) -> Response:

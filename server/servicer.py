@@ -104,7 +104,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.core.model(request.name, request.version)
         except ServingError:
             return service_pb2.ModelReadyResponse(ready=False)
-        return service_pb2.ModelReadyResponse(ready=self.core.accepting)
+        return service_pb2.ModelReadyResponse(ready=self.core.accepting and not self.core.draining)
 
     @_grpc_errors
     async def ModelMetadata(self, request, context):

@@ -44,6 +44,8 @@ class ServeProcess(ReadyProcess):
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None,
                  timeout: float = 180.0) -> None:
-        # NOTE: REST on a free port unless the test names one: sixfold-serve's default 8000 would collide.
-        super().__init__([str(Path(sys.executable).parent / "sixfold-serve"), "--http-port", "0", *args],
+        # NOTE: REST on a free port unless the test names one: sixfold-serve's default 8000 would collide;
+        # no drain grace unless the test names one (the default 5 s would only slow every stop).
+        super().__init__([str(Path(sys.executable).parent / "sixfold-serve"), "--http-port", "0",
+                          "--drain-seconds", "0", *args],
                          env=env, cwd=cwd, timeout_s=timeout)

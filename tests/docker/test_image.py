@@ -76,7 +76,7 @@ def test_compose_server_publishes_every_port_and_drains():
     args = _parser().parse_args(dockerfile.exec_form("ENTRYPOINT")[1:] + server["command"])
     published = {tuple(int(p) for p in spec.split(":")) for spec in server["ports"]}
     assert published == {(p, p) for p in (args.http_port, args.grpc_port, args.metrics_port)}
-    assert _seconds(server["stop_grace_period"]) >= DRAIN_PHASES * ServerConfig().grace_seconds
+    assert _seconds(server["stop_grace_period"]) >= args.drain_seconds + DRAIN_PHASES * ServerConfig().grace_seconds
 
 
 def test_compose_loadgen_waits_for_health_and_keeps_its_report():

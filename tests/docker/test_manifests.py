@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -227,7 +228,8 @@ def test_termination_grace_covers_prestop_and_the_whole_drain():
     grace = ServerConfig().grace_seconds
     assert spec["terminationGracePeriodSeconds"] > int(sleep[1]) + grace
     # the bound the comment in deployment.yaml derives: every drain phase may take the whole grace
-    assert spec["terminationGracePeriodSeconds"] >= int(sleep[1]) + DRAIN_PHASES * grace
+    drain = _parser().parse_args(deployment_container()["args"]).drain_seconds
+    assert spec["terminationGracePeriodSeconds"] >= int(sleep[1]) + drain + DRAIN_PHASES * grace
     strategy = _deployment()["spec"]["strategy"]["rollingUpdate"]
     assert strategy["maxUnavailable"] == 0
 
@@ -343,11 +345,33 @@ def _runtime_command(store: Path, isvc_name: str, ports: dict[int, int]) -> list
     return command
 
 
+def _secret_env() -> dict[str, str]:
+    """The environment KServe gives the container: the control token from the Secret the runtime names."""
+    [container] = _runtime()["spec"]["containers"]
+    [ref] = [e for e in container["env"] if e["name"] == "SIXFOLD_CONTROL_TOKEN"]
+    assert not ref["valueFrom"]["secretKeyRef"].get("optional"), "without the Secret the server must not start"
+    return {**os.environ, "SIXFOLD_CONTROL_TOKEN": "from-the-secret"}
+
+
+def test_the_kserve_runtime_without_its_secret_refuses_to_start(kserve_store):
+    store, name = kserve_store
+    args = _parser().parse_args(_runtime()["spec"]["containers"][0]["args"])
+    local = {p: free_port() for p in (args.http_port, args.grpc_port, args.metrics_port)}
+    env = {k: v for k, v in os.environ.items() if k != "SIXFOLD_CONTROL_TOKEN"}
+    proc = ReadyProcess(_runtime_command(store, name, local), env=env, timeout_s=180)
+    try:
+        assert not proc.url
+        assert proc.proc.wait(timeout=30) == 2
+    finally:
+        proc.kill()
+    assert "--insecure-model-control" in proc.output
+
+
 def test_the_kserve_runtime_serves_the_inferenceservice_model(kserve_store):
     store, name = kserve_store
     args = _parser().parse_args(_runtime()["spec"]["containers"][0]["args"])
     local = {args.http_port: free_port(), args.grpc_port: free_port(), args.metrics_port: free_port()}
-    proc = ReadyProcess(_runtime_command(store, name, local), timeout_s=180)
+    proc = ReadyProcess(_runtime_command(store, name, local), env=_secret_env(), timeout_s=180)
     try:
         assert proc.url, proc.output
         http = local[args.http_port]
@@ -362,7 +386,7 @@ def test_the_kserve_runtime_refuses_a_name_not_in_the_store(kserve_store):
     store, name = kserve_store
     args = _parser().parse_args(_runtime()["spec"]["containers"][0]["args"])
     local = {p: free_port() for p in (args.http_port, args.grpc_port, args.metrics_port)}
-    proc = ReadyProcess(_runtime_command(store, "other-model", local), timeout_s=180)
+    proc = ReadyProcess(_runtime_command(store, "other-model", local), env=_secret_env(), timeout_s=180)
     try:
         assert not proc.url
         assert proc.proc.wait(timeout=30) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -76,3 +77,62 @@ def test_serve_reports_a_bad_model_cleanly() -> None:
     result = subprocess.run([str(SERVE), "--model", "rm1", "--max-rows", "100", "--host-spec", "no-such-spec",
                              "--grpc-port", "0", "--metrics-port", "-1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no-such-spec" in result.stderr, result.stderr
+
+
+def test_sigterm_drains_first_not_ready_but_serving_and_a_second_sigterm_ends_the_grace() -> None:
+    serve = ServeProcess("--model", "rm1", "--max-rows", "500", "--cards", "2", "--grpc-port", "0",
+                         "--metrics-port", "-1", "--drain-seconds", "600")
+    try:
+        assert serve.url, serve.output
+        request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=500), seed=4).make(5)
+        with tc.InferenceServerClient(serve.url) as client:
+            assert client.is_server_ready()
+            serve.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while client.is_server_ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not client.is_server_ready(), serve.output
+            # a request that reaches the server after SIGTERM, during the grace, is answered
+            assert client.infer("rm1", triton_inputs(tc, request)).as_numpy("scores").shape == (5, 1)
+            assert serve.proc.poll() is None
+            serve.proc.send_signal(signal.SIGTERM)
+            assert serve.proc.wait(timeout=60) == 0
+        assert "draining (not ready; still serving for 600 s)" in serve.output
+        assert "stopped" in serve.output
+    finally:
+        serve.kill()
+
+
+def test_explicit_model_control_needs_a_token_or_an_explicit_opt_out(tmp_path) -> None:
+    base = [str(SERVE), "--model-repository", str(tmp_path / "absent"), "--model-control-mode", "explicit",
+            "--grpc-port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    env = {k: v for k, v in os.environ.items() if k != "SIXFOLD_CONTROL_TOKEN"}
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2
+    assert "--control-token" in refused.stderr and "--insecure-model-control" in refused.stderr, refused.stderr
+    # with the opt-out (or a token) it gets as far as the repository, which this one lacks
+    for extra in (["--insecure-model-control"], ["--control-token", "t0ken"]):
+        result = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 2 and "absent" in result.stderr and "--insecure" not in result.stderr, result.stderr
+
+
+def test_allow_nonfinite_flag_passes_nan_dense_features_through() -> None:
+    request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=6).make(4)
+    request["dense_features"][2, 1] = np.nan
+    for flags, accepted in (([], False), (["--allow-nonfinite"], True)):
+        serve = ServeProcess("--model", "rm1", "--max-rows", "300", "--cards", "1", "--grpc-port", "0",
+                             "--metrics-port", "-1", *flags)
+        try:
+            assert serve.url, serve.output
+            with tc.InferenceServerClient(serve.url) as client:
+                if accepted:
+                    scores = client.infer("rm1", triton_inputs(tc, request)).as_numpy("scores")
+                    assert np.isnan(scores[2, 0]) and np.isfinite(np.delete(scores, 2, axis=0)).all()
+                else:
+                    try:
+                        client.infer("rm1", triton_inputs(tc, request))
+                        raise AssertionError("NaN dense features were scored without --allow-nonfinite")
+                    except InferenceServerException as exc:
+                        assert exc.status() == "StatusCode.INVALID_ARGUMENT" and "dense_features" in exc.message()
+        finally:
+            assert serve.stop() == 0, serve.output
