@@ -112,6 +112,8 @@ class _Group:
     """Each table's first row in the weight."""
     weight: Any = None
     """``torch.from_numpy(array)``: shares its memory."""
+    store: Any = None
+    """A ``table_store.TieredRows`` when the rows live on disk (``array`` is then its cache)."""
 
     def __post_init__(self) -> None:
         import torch
@@ -135,7 +137,9 @@ class HostEmbeddingStage:
     """
 
     def __init__(self, tables: Sequence[Any] | str | Path, precision: str | Sequence[str] = "fp32", *,
-                 layout: Layout = "fused", cache: bool = True, check_ids: bool = True) -> None:
+                 layout: Layout = "fused", cache: bool = True, check_ids: bool = True,
+                 table_memory: int | float | None = None, cache_policy: str = "tinylfu", item_ids: int = 1,
+                 io_threads: int = 4) -> None:
         import torch
 
         if layout not in ("fused", "per-table"):
@@ -169,6 +173,10 @@ class HostEmbeddingStage:
         self.layout = layout
         self._cache = cache and self.source is not None
         self.check_ids = check_ids
+        self.table_memory: int | None = None
+        if table_memory is not None:
+            self._build_tiered(files, table_memory, cache_policy, item_ids, io_threads)
+            return
 
         self.groups: list[_Group] = []
         for p in PRECISIONS:
@@ -214,6 +222,54 @@ class HostEmbeddingStage:
         else:
             weight = self._convert(precision, [arrays[t] for t in members], None)
         return _Group(precision, members, weight, offsets)
+
+    def _build_tiered(self, files: list[Path], table_memory: int | float, policy: str, item_ids: int,
+                      io_threads: int) -> None:
+        """One group per precision, its rows on disk behind a row cache (``backends.table_store``).
+
+        ``table_memory``: bytes, or a share (0, 1] of the tables' bytes; split between the groups
+        by their bytes on disk. fp32 rows are read from the source files; other precisions from
+        per-table converted files (``tables/<precision>/table_NNN.npy``, written once).
+        """
+        from .table_store import TieredRows, open_table_file
+
+        if self.source is None:
+            raise ValueError("table_memory needs the tables as a directory of table_NNN.npy files")
+        members = {p: [t for t, q in enumerate(self.precisions) if q == p] for p in PRECISIONS}
+        paths: dict[str, list[Path]] = {}
+        for p, tables in members.items():
+            for t in tables:
+                path = files[t] if p == "fp32" else self.source / p / files[t].name
+                if p != "fp32" and not _fresh(path, [files[t]]):
+                    self._convert(p, [np.load(files[t], mmap_mode="r")], path)
+                paths.setdefault(p, []).append(path)
+        heads = {p: [open_table_file(f) for f in fs] for p, fs in paths.items()}
+        group_bytes = {p: sum(h.rows * h.row_bytes for h in hs) for p, hs in heads.items()}
+        total = sum(group_bytes.values())
+        budget = int(table_memory * total) if isinstance(table_memory, float) else int(table_memory)
+        self.table_memory = budget
+        self.groups = []
+        for p in PRECISIONS:
+            if p not in heads:
+                continue
+            share = budget * group_bytes[p] // total
+            ids = max(1, item_ids * len(members[p]) // self.num_tables)
+            store = TieredRows(heads[p], share, policy=policy, min_staging_rows=ids,  # type: ignore[arg-type]
+                               io_threads=io_threads)
+            offsets = store.table_starts[:-1].tolist()
+            self.groups.append(_Group(p, members[p], store.data, offsets, store=store))
+        self._prepare_index_arithmetic()
+
+    def close(self) -> None:
+        """Close the tiered stores' files (a resident stage holds none)."""
+        for g in self.groups:
+            if g.store is not None:
+                g.store.close()
+
+    @property
+    def stores(self) -> list[Any]:
+        """The tiered row stores (``TieredRows``), one per precision group; empty when all rows are resident."""
+        return [g.store for g in self.groups if g.store is not None]
 
     def _convert(self, precision: str, parts: list[np.ndarray], path: Path | None) -> np.ndarray:
         """Concatenate ``parts`` in ``precision`` (packed for int8/int4), into ``path`` when given."""
@@ -275,8 +331,9 @@ class HostEmbeddingStage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights this stage reads from (memory-mapped or resident)."""
-        return sum(int(g.weight.numel() * g.weight.element_size()) for g in self.groups)
+        """Bytes of weights this stage reads from (memory-mapped or resident; a tiered group: its DRAM bytes)."""
+        return sum(int(g.store.nbytes) if g.store is not None else int(g.weight.numel() * g.weight.element_size())
+                   for g in self.groups)
 
     def weights(self) -> list[Any]:
         """Each group's weight tensor (for tests and tools)."""
@@ -374,16 +431,9 @@ class HostEmbeddingStage:
 
     @staticmethod
     def _bag(group: _Group, rows: Any, offsets: Any) -> Any:
-        import torch
-        from torch.nn import functional as F
-
-        if group.precision == "fp32":
-            return F.embedding_bag(rows, group.weight, offsets, mode="sum")
-        if group.precision == "fp16":
-            return F.embedding_bag(rows, group.weight, offsets, mode="sum").float()
-        op = (torch.ops.quantized.embedding_bag_byte_rowwise_offsets if group.precision == "int8"
-              else torch.ops.quantized.embedding_bag_4bit_rowwise_offsets)
-        return op(group.weight, rows, offsets, False, 0, False, None, None, False)
+        if group.store is not None:
+            return _tiered_bag(group, rows, offsets)
+        return _kernel(group.precision, group.weight, rows, offsets)
 
     def _pool_small(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
         """``forward`` for one fp32 group with the index arithmetic in numpy, for small batches.
@@ -429,7 +479,7 @@ class HostEmbeddingStage:
         """
         import torch
 
-        if (len(self.groups) == 1 and self.groups[0].precision == "fp32"
+        if (len(self.groups) == 1 and self.groups[0].precision == "fp32" and self.groups[0].store is None
                 and np.ndim(sparse_indices) == 1 and np.shape(sparse_indices)[0] <= SMALL_BATCH_IDS):
             return self._pool_small(np.asarray(sparse_lengths), np.asarray(sparse_indices))
 
@@ -439,6 +489,48 @@ class HostEmbeddingStage:
             args = torch.from_numpy(np.asarray(sparse_lengths)), torch.from_numpy(np.asarray(sparse_indices))
         with torch.inference_mode():
             return self.forward(*args).numpy()
+
+
+def _kernel(precision: str, weight: Any, rows: Any, offsets: Any) -> Any:
+    import torch
+    from torch.nn import functional as F
+
+    if precision == "fp32":
+        return F.embedding_bag(rows, weight, offsets, mode="sum")
+    if precision == "fp16":
+        return F.embedding_bag(rows, weight, offsets, mode="sum").float()
+    op = (torch.ops.quantized.embedding_bag_byte_rowwise_offsets if precision == "int8"
+          else torch.ops.quantized.embedding_bag_4bit_rowwise_offsets)
+    return op(weight, rows, offsets, False, 0, False, None, None, False)
+
+
+def _tiered_bag(group: _Group, rows: Any, offsets: Any) -> Any:
+    """``_kernel`` over a tiered group: the cache answers each id's row position, the kernel runs on the cache.
+
+    A run of bags with more distinct misses than the store stages is looked up in halves
+    (each bag whole, so every bag sums its rows in the same order as a resident weight).
+    """
+    import torch
+
+    from .table_store import TooManyMisses
+
+    store = group.store
+    with store.lock:
+        try:
+            positions = store.lookup(rows.numpy())
+        except TooManyMisses:
+            positions = None
+        if positions is not None:
+            return _kernel(group.precision, group.weight, torch.from_numpy(positions), offsets)
+    bags = offsets.shape[0]
+    if bags <= 1:
+        raise BackendError(f"one bag of {rows.shape[0]} ids reads more distinct rows than the table memory "
+                           f"stages ({store.staging_rows} rows); raise the table memory")
+    mid = bags // 2
+    cut = int(offsets[mid])
+    first = _tiered_bag(group, rows[:cut], offsets[:mid])
+    second = _tiered_bag(group, rows[cut:], offsets[mid:] - cut)
+    return torch.cat([first, second])
 
 
 def _adjacent_rows(parts: list[np.ndarray]) -> np.ndarray | None:
@@ -514,6 +606,8 @@ class HostEmbeddingExecutable(Executable):
 
     def close(self) -> None:
         super().close()
+        if self.stage is not None:
+            self.stage.close()
         self.stage = None
 
 
@@ -521,7 +615,11 @@ class HostEmbeddingBackend(Backend):
     """Format "tables": the payload is a tables directory or a list of 2-D arrays.
 
     ``artifact.metadata``: ``precision`` (one name or one per table, default
-    fp32), ``layout`` (fused | per-table), ``cache`` (bool). Inputs are
+    fp32), ``layout`` (fused | per-table), ``cache`` (bool); ``table_memory``
+    (bytes, or a share of the table bytes: rows stay on disk behind a DRAM row
+    cache of that size, ``backends.table_store``), ``cache_policy`` (tinylfu |
+    clock), ``item_ids`` (ids one item reads at most: the budget's minimum stages them),
+    ``io_threads``. Inputs are
     ``artifact.input_names`` (sparse_lengths, sparse_indices); the one output
     is named by ``artifact.output_names`` (e.g. ("host_embedding_bag",)).
     """
@@ -559,7 +657,9 @@ class HostEmbeddingBackend(Backend):
         try:
             stage = HostEmbeddingStage(artifact.payload, meta.get("precision", "fp32"),
                                        layout=meta.get("layout", "fused"), cache=meta.get("cache", True),
-                                       check_ids=self.check_ids)
+                                       check_ids=self.check_ids, table_memory=meta.get("table_memory"),
+                                       cache_policy=meta.get("cache_policy", "tinylfu"),
+                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", 4))
         except (ValueError, FileNotFoundError) as exc:
             raise BackendError(f"partition {artifact.name}: {exc}") from exc
         return HostEmbeddingExecutable(artifact, device, stage)

@@ -36,7 +36,7 @@ from models import DENSE
 from .batcher import BatchInfo
 from .card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
                           expected_card_seconds, one_item)
-from .errors import InternalError, ServingError
+from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
 __all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
@@ -415,6 +415,8 @@ class PlanRuntime:
             host_out = await self._host_runner.infer({n: inputs[n] for n in self.host.input_names}, rows)
         except ServingError:
             raise
+        except OSError as exc:  # e.g. a tiered table's read failed: this batch fails, the next may not
+            raise Unavailable(f"host stage: {exc}") from exc
         except Exception as exc:
             raise InternalError(f"host stage failed: {exc}") from exc
         t1 = self._clock()

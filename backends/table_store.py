@@ -1,0 +1,440 @@
+"""Tables larger than memory: rows on disk behind a DRAM row cache with a byte budget.
+
+``TieredRows`` serves one weight (the tables of one precision group of a
+``HostEmbeddingStage``) from its ``table_NNN.npy`` files with positional reads,
+keeping the rows that are read often in a DRAM cache. The lookup kernel does not
+know which tier answered: ``lookup(rows)`` returns, for every id of a batch, the
+index of its row in ``data`` (a cache slot, or a staging row read for this batch),
+and the caller runs its ``embedding_bag`` over ``data`` as if it were the weight.
+
+One batch, under the store's lock::
+
+    slot = index[rows]                       # int32 per table row: its cache slot, or -1
+    misses = rows[slot < 0], deduplicated     # O(ids), by scattering positions into index
+    read misses -> staging rows               # sorted by offset, split over io threads
+    hits: reference bit set, pinned for this batch
+    admit some misses (policy) into victim slots chosen by CLOCK (never a pinned slot)
+
+Policy (measured on rm2 at full size, Zipf ids: see BENCHMARKS.md, "Tiered tables"):
+
+- ``clock``: every miss is admitted; victims by CLOCK (second chance, an LRU
+  approximation whose sweep is a vectorised scan).
+- ``tinylfu`` (default): a miss is admitted only when a small frequency sketch
+  (hashed uint8 counters, halved every ``8 x counters`` updates) has seen the row miss
+  before, or a slot is still free. Power-law ids have a long tail of rows read once;
+  admitting them evicts hot rows for nothing.
+
+Memory (all inside the budget): the row index, 4 bytes per table row; per slot
+the row, its owner (8 B), a reference bit and a pin (5 B); the staging rows (a
+share of the budget, at least one item's ids); the sketch. A budget below the
+minimum (index + one item's ids staged + one way of slots) is refused with the
+numbers. A batch with more distinct misses than staging rows is split into
+smaller runs of bags by the caller (``TooManyMisses``).
+
+Reads: files are opened with ``O_DIRECT`` where the file system allows it (no page
+cache: the budget is the memory), else buffered with ``POSIX_FADV_DONTNEED`` after
+each batch. ``backends.pread`` does the reads (a C helper through ctypes, no GIL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import bisect
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from . import pread
+
+__all__ = ["TieredRows", "TableFile", "TableMemoryError", "TableReadError", "TooManyMisses", "CacheStats",
+           "parse_bytes", "parse_table_memory", "open_table_file", "POLICIES", "READ_BUCKETS"]
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["tinylfu", "clock"]
+POLICIES = ("tinylfu", "clock")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BLOCK = 4096
+_SLOT_OVERHEAD = 8 + 1 + 4  # owner row, reference bit, pin tick
+_INDEX_BYTES = 4
+READ_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+"""Upper bounds (seconds) of the read-time histogram: one batch's misses read together."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """``512MiB``, ``4GiB``, ``1.5GB``, ``1000000`` -> bytes. ValueError says what is accepted."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{text!r} is not a size; write bytes or e.g. 512MiB, 4GiB, 1.5GB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"{text!r}: a size must be > 0 bytes")
+    return value
+
+
+def parse_table_memory(text: str | int | float | None) -> int | float | None:
+    """A ``--table-memory`` value: bytes (``4GiB``), a share of the tables' bytes (``10%`` -> 0.1), or None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, float):
+        return text
+    s = str(text).strip()
+    if s.endswith("%"):
+        share = float(s[:-1]) / 100
+        if not 0 < share <= 1:
+            raise ValueError(f"{text!r}: a share of the table bytes must be in (0%, 100%]")
+        return share
+    return parse_bytes(s)
+
+
+class TableMemoryError(ValueError):
+    """The budget cannot hold one batch's minimum working set (the message says the minimum)."""
+
+
+class TableReadError(OSError):
+    """A row read failed (I/O error or a file shorter than its header says): the batch fails, the store stays."""
+
+
+class TooManyMisses(Exception):
+    """This run of bags has more distinct misses than staging rows: split it and look the halves up."""
+
+    def __init__(self, misses: int, staging: int) -> None:
+        super().__init__(f"{misses} distinct misses > {staging} staging rows")
+        self.misses, self.staging = misses, staging
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """Where one table's rows are in its .npy file."""
+
+    path: Path
+    offset: int
+    """Byte offset of row 0 (the .npy header's length)."""
+    rows: int
+    width: int
+    dtype: np.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.dtype.itemsize
+
+
+def open_table_file(path: str | Path) -> TableFile:
+    """Read a .npy header (no data) and check the file holds every row; ValueError naming the file if not."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                     else np.lib.format.read_array_header_2_0(f))
+            offset = f.tell()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"table file {str(path)!r} is missing") from None
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"table file {str(path)!r} is not a readable .npy file: {exc}") from None
+    if fortran or len(shape) != 2 or dtype.hasobject:
+        raise ValueError(f"table file {str(path)!r}: expected a C-ordered 2-D array, got shape {shape}"
+                         f"{' (Fortran order)' if fortran else ''}")
+    table = TableFile(path, offset, int(shape[0]), int(shape[1]), np.dtype(dtype))
+    size = path.stat().st_size
+    need = offset + table.rows * table.row_bytes
+    if size < need:
+        raise ValueError(f"table file {str(path)!r} is truncated: {size} bytes, its header says {need}")
+    return table
+
+
+@dataclass
+class CacheStats:
+    """Counters since the store opened (ids, not distinct rows)."""
+
+    hits: int = 0
+    misses: int = 0
+    rows_read: int = 0
+    read_seconds: float = 0.0
+    batches: int = 0
+    read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
+    """Batches' read times: counts per ``READ_BUCKETS`` upper bound (seconds), the last one above all."""
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class TieredRows:
+    """Rows of ``files`` (one weight, tables back to back) on disk behind a DRAM cache of ``budget`` bytes.
+
+    ``min_staging_rows``: the most ids one item reads (sum of the tables' pooling):
+    the budget must stage at least that many rows. ``staging_share``: the share of
+    the budget (after the index) kept for one batch's distinct misses.
+    """
+
+    def __init__(self, files: Sequence[str | Path | TableFile], budget: int, *, policy: Policy = "tinylfu",
+                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = 4,
+                 direct: bool = True, ways: int = 8) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.tables = [f if isinstance(f, TableFile) else open_table_file(f) for f in files]
+        if not self.tables:
+            raise ValueError("no table files")
+        first = self.tables[0]
+        for t in self.tables:
+            if (t.width, t.dtype) != (first.width, first.dtype):
+                raise ValueError(f"table file {str(t.path)!r} has rows of {t.width} x {t.dtype}; "
+                                 f"{str(first.path)!r} has {first.width} x {first.dtype}")
+        self.width, self.dtype, self.row_bytes = first.width, first.dtype, first.row_bytes
+        self.policy = policy
+        self.table_starts = np.cumsum([0] + [t.rows for t in self.tables]).astype(np.int64)
+        self.total_rows = int(self.table_starts[-1])
+        self.table_bytes = self.total_rows * self.row_bytes
+
+        index_bytes = _INDEX_BYTES * self.total_rows
+        slot_bytes = self.row_bytes + _SLOT_OVERHEAD
+        min_staging = max(1, int(min_staging_rows))
+        minimum = index_bytes + min_staging * self.row_bytes + ways * slot_bytes
+        if budget < minimum:
+            raise TableMemoryError(
+                f"table memory {_fmt(budget)} is below this model's minimum of {_fmt(minimum)}: "
+                f"a row index of {_fmt(index_bytes)} ({_INDEX_BYTES} B x {self.total_rows} rows), one item's "
+                f"{min_staging} ids staged ({_fmt(min_staging * self.row_bytes)}) and {ways} cache slots")
+        rest = budget - index_bytes
+        staging = max(min_staging, int(rest * staging_share) // self.row_bytes)
+        sketch = 0
+        if policy == "tinylfu":
+            sketch = 1 << max(10, int(np.ceil(np.log2(max(1, (rest - staging * self.row_bytes) // slot_bytes)))))
+            if rest - staging * self.row_bytes - sketch < ways * slot_bytes:
+                sketch = 1024
+        slots = (rest - staging * self.row_bytes - sketch) // slot_bytes
+        slots = min(max(ways, slots), self.total_rows)  # never more slots than rows
+        self.slots, self.staging_rows = int(slots), int(staging)
+        self.budget = budget
+
+        self.index = np.full(self.total_rows, -1, np.int32)
+        self.owner = np.full(self.slots, -1, np.int64)
+        self.ref = np.zeros(self.slots, np.uint8)
+        self.pin = np.zeros(self.slots, np.int32)
+        self.data = np.empty((self.slots + self.staging_rows, self.width), self.dtype)
+        self.sketch = np.zeros(sketch, np.uint8) if sketch else None
+        self._sketch_updates = 0
+        self.free = self.slots
+        self.hand = 0
+        self.tick = 0
+        self.stats = CacheStats()
+        self.lock = threading.Lock()
+        """Held from ``lookup`` until the kernel has read ``data`` (another batch may evict)."""
+        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="table-io") if io_threads > 1 else None
+        self.io_threads = max(1, io_threads)
+        self._fds: list[int] = []
+        self.direct = False
+        for t in self.tables:
+            fd = -1
+            if direct and hasattr(os, "O_DIRECT") and t.offset % 1 == 0:
+                try:
+                    fd = os.open(t.path, os.O_RDONLY | os.O_DIRECT)
+                    self.direct = True
+                except OSError:
+                    fd = -1
+            if fd < 0:
+                fd = os.open(t.path, os.O_RDONLY)
+            self._fds.append(fd)
+        if self.direct and not all(_is_direct(fd) for fd in self._fds):
+            self.direct = False
+        log.info("tiered rows: %d tables, %s on disk, budget %s: %d cache slots (%.1f%% of rows), %d staging "
+                 "rows, policy %s, %s reads, %s", len(self.tables), _fmt(self.table_bytes), _fmt(budget),
+                 self.slots, 100 * self.slots / self.total_rows, self.staging_rows, policy,
+                 "O_DIRECT" if self.direct else "buffered", "C helper" if pread.native_available() else "Python")
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this store holds in DRAM (index, slots, staging, sketch): at most the budget."""
+        return int(self.index.nbytes + self.owner.nbytes + self.ref.nbytes + self.pin.nbytes + self.data.nbytes
+                   + (self.sketch.nbytes if self.sketch is not None else 0))
+
+    @property
+    def cached_rows(self) -> int:
+        return self.slots - self.free
+
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    # ---- one batch -----------------------------------------------------------------------------
+
+    def lookup(self, rows: np.ndarray) -> np.ndarray:
+        """Row positions in ``data`` for ``rows`` (global rows of this weight). Hold ``lock`` until done with data.
+
+        Raises TooManyMisses (nothing changed) when the distinct misses exceed the staging rows,
+        TableReadError when a read fails (the cache stays consistent; the batch fails).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        n = rows.shape[0]
+        self.tick += 1
+        tick = self.tick
+        slots = self.index[rows]
+        miss = slots < 0
+        m_rows = rows[miss]
+        nm = int(m_rows.shape[0])
+        out = slots.astype(np.int64)
+        if nm == 0:
+            self.ref[slots] = 1
+            self.stats.hits += n
+            self.stats.batches += 1
+            return out
+        # Distinct misses in O(ids): each id writes its position into the index, the survivor
+        # of each row is its representative. NOTE: the index holds -1 for every missing row and
+        # is restored below before anything can raise.
+        positions = np.arange(nm, dtype=np.int32)
+        self.index[m_rows] = -2 - positions
+        rep_of = -2 - self.index[m_rows]
+        is_rep = rep_of == positions
+        uniq = m_rows[is_rep]
+        self.index[uniq] = -1
+        u = int(uniq.shape[0])
+        if u > self.staging_rows:
+            raise TooManyMisses(u, self.staging_rows)
+        # Read in file order (each table's rows ascending): sort the distinct misses.
+        order = np.argsort(uniq, kind="stable")
+        uniq = uniq[order]
+        where = np.empty(u, np.int64)
+        where[order] = np.arange(u)
+        miss_pos = where[(np.cumsum(is_rep) - 1)[rep_of]]
+        hit_slots = slots[~miss]
+        self.ref[hit_slots] = 1
+        self.pin[hit_slots] = tick
+        staging = self.data[self.slots:self.slots + u]
+        self._read(uniq, staging)
+        self.stats.hits += n - nm
+        self.stats.misses += nm
+        self.stats.rows_read += u
+        self.stats.batches += 1
+        out[miss] = self.slots + miss_pos
+        self._admit(uniq, staging, tick)
+        return out
+
+    def _read(self, uniq: np.ndarray, out: np.ndarray) -> None:
+        start = time.perf_counter()
+        bounds = np.searchsorted(uniq, self.table_starts)
+        jobs = []
+        per_job = max(256, -(-uniq.shape[0] // self.io_threads))
+        for t, table in enumerate(self.tables):
+            lo, hi = int(bounds[t]), int(bounds[t + 1])
+            for a in range(lo, hi, per_job):
+                b = min(hi, a + per_job)
+                offsets = table.offset + (uniq[a:b] - self.table_starts[t]) * self.row_bytes
+                jobs.append((t, offsets, a, b))
+        block = _BLOCK if self.direct else 0
+
+        def run(job: tuple[int, np.ndarray, int, int]) -> None:
+            t, offsets, a, b = job
+            try:
+                pread.gather(self._fds[t], offsets, self.row_bytes, out[a:b], block)
+            except OSError as exc:
+                path = self.tables[t].path
+                raise TableReadError(exc.errno or 5, f"reading {b - a} rows of table file {str(path)!r}: "
+                                     f"{exc.strerror or exc}") from exc
+
+        if self._pool is None or len(jobs) == 1:
+            for job in jobs:
+                run(job)
+        else:
+            errors = [f.exception() for f in [self._pool.submit(run, job) for job in jobs]]
+            failed = [e for e in errors if e is not None]
+            if failed:
+                raise failed[0]
+        if not self.direct:
+            for fd in self._fds:  # NOTE: keep the page cache out of it: the budget is the memory
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        elapsed = time.perf_counter() - start
+        self.stats.read_seconds += elapsed
+        self.stats.read_buckets[bisect.bisect_left(READ_BUCKETS, elapsed)] += 1
+
+    def _admit(self, uniq: np.ndarray, staged: np.ndarray, tick: int) -> None:
+        """Put some of this batch's misses into cache slots (policy), evicting by CLOCK."""
+        candidates = np.arange(uniq.shape[0])
+        if self.policy == "tinylfu" and self.sketch is not None:
+            mask = self.sketch.shape[0] - 1
+            h = ((uniq * 0x9E3779B1) >> 7) & mask
+            counts = self.sketch[h].astype(np.int32) + 1
+            np.minimum(counts, 255, out=counts)
+            self.sketch[h] = counts
+            self._sketch_updates += uniq.shape[0]
+            if self._sketch_updates > 8 * self.sketch.shape[0]:
+                self.sketch >>= 1  # age: old popularity fades
+                self._sketch_updates = 0
+            if self.free < uniq.shape[0]:
+                seen = candidates[counts >= 2]
+                fresh = candidates[counts < 2][:self.free]
+                candidates = np.concatenate([seen, fresh])
+        if candidates.shape[0] == 0:
+            return
+        victims = self._victims(int(candidates.shape[0]), tick)
+        if victims.shape[0] == 0:
+            return
+        chosen = candidates[:victims.shape[0]]
+        old = self.owner[victims]
+        evicted = old[old >= 0]
+        self.index[evicted] = -1
+        self.free -= int(victims.shape[0] - evicted.shape[0])
+        rows = uniq[chosen]
+        self.data[victims] = staged[chosen]
+        self.index[rows] = victims.astype(np.int32)
+        self.owner[victims] = rows
+        self.ref[victims] = 0
+        self.pin[victims] = tick
+
+    def _victims(self, need: int, tick: int) -> np.ndarray:
+        """Up to ``need`` slots by CLOCK: skip (and clear) referenced slots, never a pinned one."""
+        found: list[np.ndarray] = []
+        got = scanned = 0
+        limit = 2 * self.slots
+        while got < need and scanned < limit:
+            lo = self.hand
+            hi = min(self.slots, lo + max(4 * (need - got), 4096))
+            free = (self.ref[lo:hi] == 0) & (self.pin[lo:hi] != tick)
+            cand = np.flatnonzero(free)[:need - got]
+            end = int(cand[-1]) + 1 if got + cand.shape[0] == need and cand.shape[0] else hi - lo
+            self.ref[lo:lo + end] = 0
+            self.pin[cand + lo] = tick  # NOTE: taken; a second revolution of the hand must not take it again
+            found.append(cand + lo)
+            got += int(cand.shape[0])
+            scanned += end
+            self.hand = (lo + end) % self.slots
+        return np.concatenate(found) if found else np.empty(0, np.int64)
+
+
+def _is_direct(fd: int) -> bool:
+    try:
+        import fcntl
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
