@@ -469,14 +469,14 @@ def _table_facts(lookups: list[Lookup], tables: int, pooling: int, where: str) -
             if limit < 1:
                 problems.append(f"table index {t}'s ids are shifted past the end of their table")
             rows.append(limit)
-            dims.append(reads[0][0].dim)
+            dims.append(max(lk.dim for lk, _ in reads))  # the rows' width, not a per-sample weight's 1
     facts: dict[str, Any] = {"pooling": [pooling] * tables}
-    distinct = sorted({lk.dim for lk in lookups})
+    distinct = sorted(set(dims) if dims and not problems else {lk.dim for lk in lookups})
     # One dim for all tables (the usual case), else per table index when known.
     facts["dim"] = distinct[0] if len(distinct) == 1 else (distinct if problems else dims)
     if problems:
-        log.warning("%s: cannot tell which table serves each table index (%s); id range checks stay off",
-                    where, "; ".join(problems[:3]))
+        log.warning("%s: cannot tell which table serves each table index (%s); ids are range-checked per lookup "
+                    "instead, after the model's index arithmetic", where, "; ".join(problems[:3]))
     else:
         facts["rows"] = rows
     return facts

@@ -323,13 +323,13 @@ def test_one_hot_ids_offset_into_one_table_are_a_lookup_without_pooling() -> Non
         np.testing.assert_allclose(_composed(split, feed), reference(feed), atol=1e-5)
 
 
-def test_ids_transformed_past_recognition_leave_range_checks_off_with_a_warning(caplog) -> None:
+def test_ids_transformed_past_recognition_get_per_lookup_range_checks_with_a_warning(caplog) -> None:
     model, reference = one_hot_offsets(scale=(1, 2, 1))
     with caplog.at_level("WARNING", logger="partitioner.onnx_frontend"):
         split = cut_onnx(model, where="scaled.onnx")
     assert "rows" not in split.tables and split.tables["pooling"] == [1, 1, 1]
     assert "scaled.onnx: cannot tell which table serves each table index (the ids of table index 1 are " \
-           "transformed (not shifted) before the lookup); id range checks stay off" in caplog.text
+           "transformed (not shifted) before the lookup); ids are range-checked per lookup instead" in caplog.text
     feed = {DENSE: np.ones((2, 2), np.float32), LENGTHS: np.ones((2, 3), np.int32),
             INDICES: np.array([5, 4, 3, 0, 1, 2], np.int64)}
     np.testing.assert_allclose(_composed(split, feed), reference(feed), atol=1e-5)
