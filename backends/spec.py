@@ -150,14 +150,23 @@ class DeviceSpec:
 
 
 def spec_names() -> list[str]:
+    """Names of the specs shipped in ``backends/specs/`` (``backends.spec_catalog`` lists every source)."""
     return sorted(p.stem for p in SPEC_DIR.glob("*.json"))
 
 
 def load_spec(name_or_path: str | Path) -> DeviceSpec:
-    """A shipped spec by name (``m2-card``) or any JSON file by path."""
+    """A named spec (``m2-card``, or one a vendor package ships) or any JSON file by path.
+
+    A value ending in ``.json``, holding a path separator, or naming an
+    existing file is a path; anything else is a name, looked up in
+    ``backends.spec_catalog`` (sixfold's files, the ``sixfold.device_specs``
+    entry points, the registered backends' ``devices()``).
+    """
+    text = str(name_or_path)
     path = Path(name_or_path)
-    if not path.suffix:
-        path = SPEC_DIR / f"{name_or_path}.json"
+    if not (text.endswith(".json") or "/" in text or "\\" in text or path.is_file()):
+        from .spec_catalog import resolve_spec  # NOTE: lazy: the catalog imports the backend registry
+        return resolve_spec(text)
     if not path.is_file():
-        raise FileNotFoundError(f"no device spec {str(name_or_path)!r}; shipped specs: {', '.join(spec_names())}")
+        raise FileNotFoundError(f"no device spec file {text!r}")
     return DeviceSpec.from_dict(json.loads(path.read_text()))

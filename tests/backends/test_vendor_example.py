@@ -15,7 +15,8 @@ import pytest
 import tritonclient.grpc as tc
 
 import models
-from backends import registry
+from backends import registry, spec_catalog
+from backends.spec import load_spec
 from backends.conformance import run_conformance
 from tests.conftest import ServeProcess, triton_inputs
 
@@ -52,6 +53,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         sys.modules.pop("numpy_backend", None)
         importlib.invalidate_caches()
         registry.discover(reload=True)
+        spec_catalog.catalog(reload=True)
 
 
 def test_registry_discovers_the_installed_package(installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,6 +63,23 @@ def test_registry_discovers_the_installed_package(installed: Path, monkeypatch: 
     assert info.status == "ok" and info.value == "numpy_backend:NumpyRefBackend"
     assert Path(sys.modules["numpy_backend"].__file__).is_relative_to(installed)
     assert "numpy-ref" in registry.describe()
+
+
+def test_its_device_specs_resolve_by_name(installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The package ships numpy-ref-card (entry point sixfold.device_specs) and finds numpy-ref-local (devices())."""
+    monkeypatch.delenv(registry.BACKENDS_ENV, raising=False)
+    registry.discover(reload=True)
+    entries = spec_catalog.catalog(reload=True)
+    try:
+        card = load_spec("numpy-ref-card")
+        assert card.memory_bytes == 2 * 2**30 and card.kind == "card"
+        assert entries["numpy-ref-card"].source.startswith("entry point numpy-ref = numpy_backend:SPECS_DIR")
+        assert "package sixfold-numpy-backend" in entries["numpy-ref-card"].source
+        local = load_spec("numpy-ref-local")
+        assert local.memory_bytes > 0 and entries["numpy-ref-local"].source.startswith("backend numpy-ref.devices()")
+        assert "numpy-ref-card" in spec_catalog.describe_specs()
+    finally:
+        spec_catalog.catalog(reload=True)
 
 
 def test_it_passes_the_kit(installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +108,8 @@ def test_a_broken_copy_fails_the_kit(tmp_path: Path) -> None:
 
 
 def test_sixfold_serve_runs_it(installed: Path) -> None:
-    serve = ServeProcess("--backend", "numpy-ref", "--model", "rm2", "--max-rows", "500", "--cards", "2",
+    serve = ServeProcess("--backend", "numpy-ref", "--card-spec", "numpy-ref-card", "--model", "rm2",
+                         "--max-rows", "500", "--cards", "2",
                          "--grpc-port", "0", "--metrics-port", "-1", env=_env(installed), cwd=ROOT, timeout=120)
     proc, lines, url = serve.proc, serve.lines, [serve.url]
     try:

@@ -10,8 +10,10 @@ conformance kit (``python -m backends.conformance numpy-ref``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,10 @@ import numpy as np
 from backends import Backend, BackendError, DeviceSpec, Executable, PartitionArtifact, check_fits
 from backends.options import reject_unknown
 
-__all__ = ["NumpyRefBackend", "NumpyRefExecutable"]
+__all__ = ["NumpyRefBackend", "NumpyRefExecutable", "SPECS_DIR"]
+
+SPECS_DIR = Path(__file__).parent / "specs"
+"""The named specs this package ships (entry point group ``sixfold.device_specs`` points here)."""
 
 _DTYPES = {1: np.float32, 6: np.int32, 7: np.int64, 10: np.float16, 11: np.float64}  # onnx TensorProto codes
 
@@ -98,6 +103,20 @@ class NumpyRefBackend(Backend):
         except ImportError as exc:
             return False, f"onnx.reference is not importable: {exc}"
         return True, ""
+
+    def devices(self) -> list[DeviceSpec]:
+        """The "card" found on this machine: the host's cores and a quarter of its memory, probed now.
+
+        sixfold lists it as ``numpy-ref-local`` (``--card-spec numpy-ref-local``).
+        """
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        except (ValueError, OSError, AttributeError):
+            memory = 2**31
+        cores = os.cpu_count() or 1
+        return [DeviceSpec(name="numpy-ref-local", memory_bytes=int(memory), peak_flops={"fp32": 5e10 * cores},
+                           memory_bandwidth=1e10, link_bandwidth=0.0, kind="card",
+                           description=f"numpy on this host ({cores} cores), probed by numpy-ref")]
 
     def load(self, artifact: PartitionArtifact, device: DeviceSpec) -> NumpyRefExecutable:
         if not self.supports(artifact):
