@@ -99,7 +99,8 @@ class SixfoldServer:
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         server = self._server = grpc.aio.server(options=options)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core, control_token=self.config.control_token),
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core, control_token=self.config.control_token,
+                                                                              metrics=self.metrics),
                                                             server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.grpc_port}"
@@ -114,7 +115,7 @@ class SixfoldServer:
         await server.start()
         if self.config.http_port is not None:
             app = build_app(self.core, max_body_bytes=self.config.max_message_bytes,
-                            control_token=self.config.control_token)
+                            control_token=self.config.control_token, metrics=self.metrics)
             self._rest = RestServer(app, self.config.host, self.config.http_port, tls_cert=self.config.tls_cert,
                                     tls_key=self.config.tls_key, grace_seconds=self.config.grace_seconds)
             try:

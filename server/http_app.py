@@ -31,6 +31,7 @@ from .errors import (DeadlineExceeded, InternalError, InvalidInput, ModelNotFoun
                      Unauthenticated, Unavailable)
 from .http_codec import HEADER_LENGTH, decode_request, dumps, encode_response
 from .model import ServedModel
+from .metrics import ServerMetrics
 from .model_config import to_model_config
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
@@ -144,8 +145,10 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
 
 
 class _Routes:
-    def __init__(self, core: InferenceCore, max_body_bytes: int, control_token: str | None) -> None:
+    def __init__(self, core: InferenceCore, max_body_bytes: int, control_token: str | None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.core, self.max_body_bytes, self.control_token = core, max_body_bytes, control_token
+        self.metrics = metrics
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused (413) once it passes the limit; gzip/deflate inflated."""
@@ -216,9 +219,14 @@ class _Routes:
 
     @_rest_errors
     async def infer(self, request: Request) -> Response:
-        body = await self._body(request)
-        model = self.core.serving(*_name_version(request))
-        parsed = decode_request(body, request.headers.get(HEADER_LENGTH))
+        try:
+            body = await self._body(request)
+            model = self.core.serving(*_name_version(request))
+            parsed = decode_request(body, request.headers.get(HEADER_LENGTH))
+        except ServingError as exc:
+            if self.metrics is not None:
+                self.metrics.record_refused("rest", exc.reason)
+            raise
         outputs = await model.infer(parsed.inputs, parsed.requested, parsed.timeout_s, parsed.priority)
         content, header_length = encode_response(model.name, model.version, parsed.id, outputs,
                                                  parsed.binary_outputs)
@@ -293,9 +301,10 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
 
-def build_app(core: InferenceCore, *, max_body_bytes: int = 1 << 30, control_token: str | None = None) -> Starlette:
+def build_app(core: InferenceCore, *, max_body_bytes: int = 1 << 30, control_token: str | None = None,
+              metrics: ServerMetrics | None = None) -> Starlette:
     """The ASGI app: Triton's KServe v2 REST paths, each with and without ``/versions/{version}``."""
-    r = _Routes(core, max_body_bytes, control_token)
+    r = _Routes(core, max_body_bytes, control_token, metrics)
     model = "/v2/models/{name}"
     versioned = [model, model + "/versions/{version}"]
     routes = [Route("/v2/health/live", r.live), Route("/v2/health/ready", r.ready), Route("/v2", r.server_metadata),

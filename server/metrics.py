@@ -39,6 +39,9 @@ class ServerMetrics:
         self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
         self.host_dense_max_rows = Gauge("sixfold_host_dense_max_rows", "Batches of at most this many rows run their dense part on the host CPU (0: none)", ["model"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
+        self.refused = Counter("sixfold_requests_refused", "Inference requests refused before reaching a model "
+                               "(unknown model, undecodable or oversized tensors, shutting down)",
+                               ["protocol", "reason"], registry=r)
         self.card_faults = Counter("sixfold_card_faults", "Card faults, also those a hedge or retry saved (kind: late, hang, error)", ["model", "card", "kind"], registry=r)
 
         self._models: dict[tuple[str, str], ModelMetrics] = {}
@@ -56,6 +59,10 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The Prometheus text page: prometheus-client's series, then Triton's (typed as Triton does)."""
         return generate_latest(self.registry) + _triton_exposition(list(self._models.values())).encode()
+
+    def record_refused(self, protocol: str, reason: str) -> None:
+        """A request that never reached a model; labels are bounded (protocol: grpc|rest, reason: an error kind)."""
+        self.refused.labels(protocol, reason).inc()
 
     def serve(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
               token: str | None = None) -> int:

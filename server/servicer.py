@@ -17,6 +17,7 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__
+from .metrics import ServerMetrics
 from .codec import decode_inputs, encode_response, request_priority, request_timeout, requested_outputs
 from .core import InferenceCore
 from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
@@ -62,8 +63,11 @@ def _duration(d: Any) -> service_pb2.StatisticDuration:
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: InferenceCore, *, control_token: str | None = None) -> None:
+    def __init__(self, core: InferenceCore, *, control_token: str | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.core = core
+        self.metrics = metrics
+        """Counts requests refused before they reach a model (the model counts its own failures)."""
         self.control_token = control_token
         """When set, RepositoryModelLoad/Unload need ``authorization: Bearer <token>`` metadata."""
 
@@ -164,9 +168,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _answer(self, request: service_pb2.ModelInferRequest,
                       timeout_s: float | None) -> service_pb2.ModelInferResponse:
         """protobuf in -> core -> protobuf out: the one inference path of unary and streaming calls."""
-        model = self.core.serving(request.model_name, request.model_version)
-        outputs = await model.infer(decode_inputs(request), requested_outputs(request), timeout_s,
-                                    request_priority(request))
+        try:
+            model = self.core.serving(request.model_name, request.model_version)
+            inputs = decode_inputs(request)
+        except ServingError as exc:
+            if self.metrics is not None:
+                self.metrics.record_refused("grpc", exc.reason)
+            raise
+        outputs = await model.infer(inputs, requested_outputs(request), timeout_s, request_priority(request))
         return encode_response(model.name, model.version, request.id, outputs)
 
     async def ModelStreamInfer(self, request_iterator, context):

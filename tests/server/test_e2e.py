@@ -168,6 +168,27 @@ def test_prometheus_metrics_are_exposed(client, served_rm2, gen) -> None:
         assert f'{name}{{model="rm2",version="1"}}' in text, name
 
 
+def test_requests_refused_before_a_model_are_counted_by_protocol_and_reason(client, served_rm2, gen) -> None:
+    import tritonclient.http as th
+
+    def refused(protocol: str, reason: str) -> float:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{served_rm2.metrics_port}/metrics", timeout=10).read().decode()
+        key = f'sixfold_requests_refused_total{{protocol="{protocol}",reason="{reason}"}} '
+        return float(page.split(key, 1)[1].split()[0]) if key in page else 0.0
+
+    before = {p: refused(p, "model_not_found") for p in ("grpc", "rest")}
+    request = gen.make(2)
+    with pytest.raises(InferenceServerException):
+        client.infer("no-such-model", triton_inputs(tc, request))
+    rest = th.InferenceServerClient(served_rm2.http_url)
+    try:
+        with pytest.raises(InferenceServerException):
+            rest.infer("no-such-model", triton_inputs(th, request))
+    finally:
+        rest.close()
+    assert {p: refused(p, "model_not_found") for p in ("grpc", "rest")} == {p: v + 1 for p, v in before.items()}
+
+
 def test_the_timeout_parameter_drops_a_request_before_compute(client, gen) -> None:
     before = client.get_inference_statistics("rm2").model_stats[0].execution_count
     with pytest.raises(InferenceServerException) as info:

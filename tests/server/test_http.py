@@ -21,6 +21,7 @@ import tritonclient.http.aio as tha
 from tritonclient.utils import InferenceServerException
 
 import models
+from server.app import ServerConfig
 
 from .conftest import MAX_ROWS
 
@@ -283,7 +284,8 @@ def test_declared_body_over_the_limit_is_refused_before_it_is_read(served_rm2) -
         conn.endheaders()
         response = conn.getresponse()
         assert response.status == 413
-        assert "over the 1073741824-byte limit" in json.loads(response.read())["error"]
+        limit = ServerConfig().max_message_bytes
+        assert f"over the {limit}-byte limit" in json.loads(response.read())["error"]
     finally:
         conn.close()
     assert raw(served_rm2.http_url, "GET", "/v2/health/ready")[0] == 200
