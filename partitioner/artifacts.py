@@ -15,6 +15,7 @@ import numpy as np
 
 from models.signature import INDICES, LENGTHS
 
+from .checksums import table_checksums
 from .compile import HOST_PARTITION, PartitionedModel
 from .host_export import export_host_program
 
@@ -52,7 +53,10 @@ def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
             start += count
         plan.partition(HOST_PARTITION).artifact = "tables/"
         plan.partition(HOST_PARTITION).format = "tables"
+        plan.tables["checksums"] = table_checksums(out / "tables")  # checked at load (partitioner.checksums)
     else:  # any other host graph is saved whole and runs on the torch backend
+        if host_artifact.format == "torch-fx" and host_artifact.metadata.get("precision", "fp32") != "fp32":
+            host_module = host_artifact.payload  # its lookups rewritten to fp16/int8/int4 rows (lookup_precision)
         export_host_program(host_module, plan, list(host_artifact.input_names), out / "host.pt2")
         plan.partition(HOST_PARTITION).artifact = "host.pt2"
     path = out / "plan.json"

@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"],
                    help="place embedding tables on the cards as table-, row- or column-wise shards "
                         "(built-in models; default: all tables on the host)")
+    p.add_argument("--table-memory", type=_table_memory, default=None, metavar="BYTES",
+                   help="keep embedding tables on disk behind a DRAM row cache of this size (512MiB, 4GiB, or a "
+                        "share of the table bytes such as 10%%; default: every row resident). A model's "
+                        "config.pbtxt may set its own (sixfold.table_memory)")
+    p.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
+                   help="row cache admission: tinylfu (a row enters on its second miss; default) or clock (every miss)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
     p.add_argument("--http-port", type=int, default=8000,
@@ -119,6 +125,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _table_memory(text: str) -> int | float:
+    from backends.table_store import parse_table_memory
+    try:
+        value = parse_table_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value is None:
+        raise argparse.ArgumentTypeError("give a size such as 4GiB or a share such as 10%")
+    return value
+
+
 async def _serve(args: argparse.Namespace, console: Console) -> int:
     from partitioner.explain import print_plan
 
@@ -161,7 +178,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 max_card_rows=args.max_card_batch_rows or None, sparse_on_cards=args.sparse_on_cards,
                 dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows,
                 min_split_rows=args.min_split_rows, card_timeout_multiple=args.card_timeout_multiple,
-                card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite)
+                card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
+                table_memory=args.table_memory, cache_policy=args.table_cache_policy)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -176,7 +194,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         min_split_rows=args.min_split_rows,
                                         card_timeout_multiple=args.card_timeout_multiple,
                                         card_timeout_floor_s=args.card_timeout_floor_ms / 1e3,
-                                        allow_nonfinite=args.allow_nonfinite)
+                                        allow_nonfinite=args.allow_nonfinite, table_memory=args.table_memory,
+                                        cache_policy=args.table_cache_policy)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()

@@ -53,15 +53,39 @@ def _table_arrays(partitioned: Loadable) -> list[np.ndarray]:
     return host_table_arrays(partitioned)  # type: ignore[arg-type]
 
 
-def load_host_stage(partitioned: Loadable, host_device: DeviceSpec) -> Executable:
-    """The sparse stage: on the host backend its artifact's format needs, or split over host + cards."""
+def load_host_stage(partitioned: Loadable, host_device: DeviceSpec, *, table_memory: int | float | None = None,
+                    cache_policy: str = "tinylfu") -> Executable:
+    """The sparse stage: on the host backend its artifact's format needs, or split over host + cards.
+
+    ``table_memory`` (bytes, or a share of the table bytes): keep the tables on disk behind a
+    DRAM row cache of that size (``backends.table_store``); None: every row resident.
+    A repository's tables are checked against the checksums in plan.json first.
+    """
     plan = partitioned.plan
+    artifact = partitioned.artifacts[HOST_PARTITION]
+    if artifact.format == "tables" and isinstance(artifact.payload, (str, Path)) and plan.tables.get("checksums"):
+        from partitioner.checksums import verify_tables
+        verify_tables(artifact.payload, plan.tables["checksums"])
+    if table_memory is not None:
+        if getattr(plan, "shards", None):
+            raise ValueError("table memory (tiered tables) and tables on cards cannot be combined yet")
+        if artifact.format != "tables":
+            raise ValueError(f"table memory needs a table-batched host stage; this model's host stage is "
+                             f"{artifact.format!r}")
+        payload = artifact.payload
+        if not isinstance(payload, (str, Path)):
+            payload = _spill_tables(payload)
+        pooling = plan.tables.get("pooling") or [1]
+        artifact = dataclasses.replace(artifact, payload=payload, metadata={
+            **artifact.metadata, "table_memory": table_memory, "cache_policy": cache_policy,
+            "item_ids": int(sum(pooling))})
+        return registry.get_backend("host-embedding", check_ids=not plan.tables.get("rows")).load(artifact,
+                                                                                                  host_device)
     if getattr(plan, "shards", None):
         from backends.sharded_embedding import load_sharded_stage
         devices = {s.device for s in plan.shards if s.device != "host"}
         specs = {d: dataclasses.replace(plan.device(d).spec, name=f"{plan.device(d).spec.name}/{d}") for d in devices}
         return load_sharded_stage(plan, _table_arrays(partitioned), host_device, specs)
-    artifact = partitioned.artifacts[HOST_PARTITION]
     backend = _HOST_BACKENDS.get(artifact.format)
     if backend is None:
         raise ValueError(f"no host backend takes {artifact.format!r} partitions")
@@ -85,19 +109,34 @@ def host_id_check(partitioned: Loadable):
     return None
 
 
+def _spill_tables(arrays: list[np.ndarray]) -> Path:
+    """Write in-memory tables (a built-in model's) to a temporary tables directory, removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="sixfold-tables-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    for t, array in enumerate(arrays):
+        np.save(directory / f"table_{t:03d}.npy", np.ascontiguousarray(array))
+    return directory
+
+
 def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None,
                      min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, host_dense_max_rows: int = -1,
                      allow_nonfinite: bool = False, card_timeout_multiple: float = 10.0,
-                     card_timeout_floor_s: float = 0.5) -> ServedModel:
+                     card_timeout_floor_s: float = 0.5, table_memory: int | float | None = None,
+                     cache_policy: str = "tinylfu") -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
 
     ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
+    ``table_memory``/``cache_policy``: tiered tables (see ``load_host_stage``).
     """
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
-    host = load_host_stage(partitioned, host_device)
+    host = load_host_stage(partitioned, host_device, table_memory=table_memory, cache_policy=cache_policy)
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     # One lane per card (replicate) or per pipeline replica (stages on several cards).
     cards, reload_lane = load_dense(plan, lambda name: partitioned.artifact_for(name, card_backend), card_backend)
@@ -120,6 +159,10 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
     served.batcher = DynamicBatcher(served.run_batch, batching, max_inflight=inflight, cost=PlanCost.from_plan(plan))
     runtime.on_card_fault = metrics.for_model(served.name, version).card_fault
+    stage = getattr(host, "stage", None)
+    if getattr(stage, "stores", None):
+        metrics.watch_table_cache(served.name, version, stage)
+        served.parameters["sixfold.table_memory"] = str(stage.table_memory)
     if not plan.tables.get("rows"):  # lookups not matched to tables: check each lookup's rows instead
         served.id_check = host_id_check(partitioned)
     tables = plan.tables
@@ -140,7 +183,8 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  max_card_rows: int | None = None, sparse_on_cards: str | None = None,
                  dense_precision: str = "fp32", host_dense_max_rows: int = -1,
                  min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
-                 card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5) -> ServedModel:
+                 card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
+                 table_memory: int | float | None = None, cache_policy: str = "tinylfu") -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -153,14 +197,16 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                             backend_options=backend_options, max_card_rows=max_card_rows,
                             min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows,
                             allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
-                            card_timeout_floor_s=card_timeout_floor_s)
+                            card_timeout_floor_s=card_timeout_floor_s, table_memory=table_memory,
+                            cache_policy=cache_policy)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
                          metrics: ServerMetrics, batching: BatchingConfig, backend_options: dict | None = None,
                          max_card_rows: int | None = None, host_dense_max_rows: int = -1,
                          min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
-                         card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5) -> ServedModel:
+                         card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
+                         table_memory: int | float | None = None, cache_policy: str = "tinylfu") -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
@@ -181,6 +227,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         allow_nonfinite=extras.get("allow_nonfinite", allow_nonfinite),
         card_timeout_multiple=extras.get("card_timeout_multiple", card_timeout_multiple),
         card_timeout_floor_s=extras["card_timeout_floor_ms"] / 1e3 if "card_timeout_floor_ms" in extras
-        else card_timeout_floor_s)
+        else card_timeout_floor_s, table_memory=extras.get("table_memory", table_memory),
+        cache_policy=extras.get("table_cache_policy", cache_policy))
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     return served

@@ -19,11 +19,13 @@ import bisect
 import hmac
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 __all__ = ["ServerMetrics", "ModelMetrics"]
@@ -46,6 +48,8 @@ class ServerMetrics:
 
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         r.register(_RequestCollector(self._models))
+        self._table_caches: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
+        r.register(_TableCacheCollector(self._table_caches))
         self._http: ThreadingHTTPServer | None = None
 
     def for_model(self, model: str, version: str) -> "ModelMetrics":
@@ -55,6 +59,10 @@ class ServerMetrics:
         if bound is None:
             bound = self._models[key] = ModelMetrics(self, model, version)
         return bound
+
+    def watch_table_cache(self, model: str, version: str, stage: Any) -> None:
+        """Export ``stage``'s tiered row stores (``stage.stores``: hits, misses, bytes, read times) while it lives."""
+        self._table_caches[(model, version)] = stage
 
     def exposition(self) -> bytes:
         """The Prometheus text page: prometheus-client's series, then Triton's (typed as Triton does)."""
@@ -231,6 +239,41 @@ class _Buckets:
             running += count
             buckets.append((bound, running))
         return buckets, total
+
+
+class _TableCacheCollector:
+    """Tiered tables (``backends.table_store``): the DRAM row cache's counters, per model, when scraped."""
+
+    def __init__(self, stages: "weakref.WeakValueDictionary[tuple[str, str], Any]") -> None:
+        self._stages = stages
+
+    def collect(self) -> Iterator[Metric]:
+        from backends.table_store import READ_BUCKETS
+
+        hits = CounterMetricFamily("sixfold_table_cache_hits", "Table ids answered by the DRAM row cache",
+                                   labels=["model"])
+        misses = CounterMetricFamily("sixfold_table_cache_misses", "Table ids read from disk (not in the row cache)",
+                                     labels=["model"])
+        held = GaugeMetricFamily("sixfold_table_cache_bytes", "DRAM bytes of the row cache (index, rows, staging)",
+                                 labels=["model"])
+        budget = GaugeMetricFamily("sixfold_table_cache_budget_bytes", "The table memory budget", labels=["model"])
+        reads = HistogramMetricFamily("sixfold_table_read_duration_seconds",
+                                      "Time to read one batch's missed rows from disk", labels=["model"])
+        by_model: dict[str, list[Any]] = {}
+        for (model, _), stage in list(self._stages.items()):
+            by_model.setdefault(model, []).extend(getattr(stage, "stores", []))
+        for model, stores in sorted(by_model.items()):
+            hits.add_metric([model], sum(s.stats.hits for s in stores))
+            misses.add_metric([model], sum(s.stats.misses for s in stores))
+            held.add_metric([model], sum(s.nbytes for s in stores))
+            budget.add_metric([model], sum(s.budget for s in stores))
+            counts = [sum(s.stats.read_buckets[i] for s in stores) for i in range(len(READ_BUCKETS) + 1)]
+            cumulative, buckets = 0, []
+            for bound, count in zip([*map(floatToGoString, READ_BUCKETS), "+Inf"], counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            reads.add_metric([model], buckets, sum(s.stats.read_seconds for s in stores))
+        yield from (hits, misses, held, budget, reads)
 
 
 class _RequestCollector:

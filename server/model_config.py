@@ -73,6 +73,14 @@ def _nonnegative(text: str) -> float:
     return value
 
 
+def _table_memory(text: str) -> int | float:
+    from backends.table_store import parse_table_memory
+    value = parse_table_memory(text)
+    if value is None:
+        raise ValueError("must be a size such as 4GiB or a share such as 10%")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.lower()
     if lowered not in ("true", "false"):
@@ -106,6 +114,8 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.max_queue_work_ms": _int(0),  # admission by work (BatchingConfig.max_queue_work_ms; 0: off)
     "sixfold.max_queue_bytes_mb": _int(0),  # admission by bytes (BatchingConfig.max_queue_bytes in MiB; 0: off)
     "sixfold.max_batch_rows": _int(1),  # what to_model_config writes when it reports max_batch_size 0
+    "sixfold.table_memory": _table_memory,  # tiered tables: DRAM budget, bytes ("4GiB") or a share ("10%")
+    "sixfold.table_cache_policy": _choice("tinylfu", "clock"),
     # Facts a server publishes for load generators (read back as written).
     "sixfold.table_rows": str,
     "sixfold.pooling": str,
