@@ -25,9 +25,10 @@ from ..spec import DeviceSpec, load_spec
 from .cases import DEFAULT_MODELS, Case, Reference, builtin_cases
 from .report import CheckResult, ConformanceReport
 
-__all__ = ["CHECKS", "run_conformance", "run_conformance_async", "CheckFailed"]
+__all__ = ["CHECKS", "run_conformance", "run_conformance_async", "CheckFailed", "rows_per_item"]
 
-CHECKS: tuple[str, ...] = ("load", "memory", "outputs", "concurrency", "bad-input", "does-not-fit", "close")
+CHECKS: tuple[str, ...] = ("load", "memory", "outputs", "items", "concurrency", "bad-input", "does-not-fit",
+                           "close")
 """Every check, in the order they run on each case. "load" always runs: the others need it."""
 
 T = TypeVar("T")
@@ -188,6 +189,78 @@ async def check_outputs(ctx: _Context) -> str:
     if wrong:
         raise CheckFailed(f"{len(wrong)} of {len(sizes)} batch sizes wrong ({_ranges(wrong)}); first: {first}")
     return f"batch sizes 1..{max(sizes)} equal onnxruntime (max |diff| {worst:.1e}, atol {ctx.atol:g})"
+
+
+def rows_per_item(case: Case) -> tuple[dict[str, int], dict[str, int]]:
+    """Rows of dim 0 per item of every input and output of ``case`` (the tensor contract, read off its feeds).
+
+    Dim 0 of every card tensor is items x k, k fixed per tensor and item-major:
+    ``dense_features`` [N, D] has k = 1, ``host_embedding_bag`` [N * T, dim]
+    has k = T (rows i*T .. i*T + T - 1 are item i's tables), ``scores`` [N, 1]
+    has k = 1. CheckFailed when a feed or an answer breaks that.
+    """
+    sizes = case.batch_sizes
+    first = sizes[0]
+
+    def per(by_size: Mapping[int, Arrays], kind: str) -> dict[str, int]:
+        k: dict[str, int] = {}
+        for name, array in by_size[first].items():
+            if np.ndim(array) == 0 or array.shape[0] % first:
+                raise CheckFailed(f"case {case.name}: {kind} {name} has shape {np.shape(array)} for {first} items; "
+                                  f"dim 0 must be a whole number of rows per item")
+            k[name] = array.shape[0] // first
+        for rows in sizes:
+            for name, array in by_size[rows].items():
+                if array.shape[0] != rows * k[name]:
+                    raise CheckFailed(f"case {case.name}: {kind} {name} has {array.shape[0]} rows for {rows} items, "
+                                      f"not {k[name]} per item")
+        return k
+
+    return per(case.feeds, "input"), per(case.expected, "output")
+
+
+async def check_items(ctx: _Context) -> str:
+    """The tensor contract: a batch split at item boundaries (k rows per item per tensor) and rejoined is the batch.
+
+    The server does exactly this when it spreads a batch over cards, and
+    concatenates requests the same way, so a backend must treat each item's
+    rows independently of the others, whatever k each input has.
+    """
+    exe = ctx.main
+    assert exe is not None
+    k_in, k_out = rows_per_item(ctx.case)
+    layout = ", ".join(f"{n} {k} row{'s' if k != 1 else ''}" for n, k in k_in.items())
+    sizes = [s for s in ctx.case.batch_sizes if s >= 3]
+    if not sizes:
+        return f"rows per item: {layout}; batches under 3 items: nothing to split"
+    rows = max(s for s in sizes if s <= 13) if min(sizes) <= 13 else min(sizes)
+    cuts = sorted({1, rows // 2, rows})
+    bounds = list(zip([0, *cuts[:-1]], cuts))
+    feed = ctx.case.feeds[rows]
+    parts: list[Arrays] = []
+    for a, b in bounds:
+        piece = {n: feed[n][a * k_in[n]:b * k_in[n]] for n in feed}
+        try:
+            out = await ctx.infer(exe, piece, f"items {a}..{b - 1} of a {rows}-item batch")
+        except Hung:
+            raise
+        except Exception as exc:
+            raise CheckFailed(f"items {a}..{b - 1} of batch {rows} ({layout} per item): raised "
+                              f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(out, Mapping):
+            raise CheckFailed(f"items {a}..{b - 1}: returned {type(out).__name__}, expected a dict of arrays")
+        for name, k in k_out.items():
+            got = np.shape(out.get(name)) if name in out else None
+            if got is None or not got or got[0] != (b - a) * k:
+                raise CheckFailed(f"items {a}..{b - 1} ({b - a} items; inputs {layout} per item): output {name} "
+                                  f"has shape {got}, expected {(b - a) * k} rows on dim 0")
+        parts.append(out)
+    joined = {name: np.concatenate([np.asarray(p[name]) for p in parts]) for name in k_out}
+    if why := ctx.compare(rows, joined):
+        raise CheckFailed(f"batch {rows} split at items {cuts[:-1]} ({layout} per item) and rejoined differs from "
+                          f"the whole: {why}")
+    return (f"rows per item: {layout}; batch {rows} split at items {', '.join(map(str, cuts[:-1]))} and "
+            f"rejoined equals the whole")
 
 
 async def check_concurrency(ctx: _Context, executables: int = 3, per_executable: int = 6) -> str:
@@ -363,10 +436,11 @@ async def check_close(ctx: _Context) -> str:
 
 
 _CHECK_FNS: dict[str, Callable[[_Context], Awaitable[str]]] = {
-    "load": check_load, "memory": check_memory, "outputs": check_outputs, "concurrency": check_concurrency,
+    "load": check_load, "memory": check_memory, "outputs": check_outputs, "items": check_items,
+    "concurrency": check_concurrency,
     "bad-input": check_bad_input, "does-not-fit": check_does_not_fit, "close": check_close,
 }
-_NEEDS_MAIN = {"memory", "outputs", "concurrency", "close"}
+_NEEDS_MAIN = {"memory", "outputs", "items", "concurrency", "close"}
 
 
 # -- the runner ---------------------------------------------------------------------------------------

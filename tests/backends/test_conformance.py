@@ -57,6 +57,17 @@ class _DropsRowAbove8(_Wrapped):
         return {k: v[:-1] if len(v) > 8 else v for k, v in out.items()}
 
 
+class _BatchesEveryInputByDim0(_Wrapped):
+    """Micro-batches of 8 rows, cutting every input at the same dim-0 row: "dim 0 is the batch for every
+    input", as the docs once said. Pooled embeddings are items x tables on dim 0, so the pieces mismatch."""
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
+        total = max(v.shape[0] for v in inputs.values())
+        parts = [self.inner.run({k: v[a:a + 8] for k, v in inputs.items()}) for a in range(0, total, 8)
+                 if all(v[a:a + 8].shape[0] for v in inputs.values())]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
 class _ReportsNoMemory(_Wrapped):
     def memory_bytes(self) -> int:
         return 0
@@ -130,17 +141,19 @@ def test_onnxruntime_passes_the_default_run() -> None:
     (lambda: broken(_AddsOnePercent), "outputs", "differs from onnxruntime by up to 0.01"),
     (lambda: broken(_DropsRowAbove8), "outputs", "batch sizes wrong (9-12); first: batch 9: scores shape (8, 1)"),
     (lambda: broken(_ReportsNoMemory), "memory", "memory_bytes() returned 0"),
+    (lambda: broken(_BatchesEveryInputByDim0), "items",
+     "(dense_features 1 row, host_embedding_bag 32 rows per item)"),
     (lambda: broken(_AnswersAfterClose), "close", "infer() after close() answered"),
     (lambda: _NeverRefuses(), "does-not-fit", "must raise DoesNotFit"),
     (lambda: _RefusesWithoutNumbers(), "does-not-fit", "quotes no sizes"),
-], ids=["adds-1e-2", "drops-row-above-8", "no-memory", "answers-after-close", "never-refuses",
+], ids=["adds-1e-2", "drops-row-above-8", "no-memory", "dim0-is-batch", "answers-after-close", "never-refuses",
         "refuses-without-numbers"])
 def test_broken_backend_fails_the_right_check(backend, check: str, words: str) -> None:
     report = run_conformance(backend(), **FAST)
     assert not report.passed
     assert check in report.failed_checks(), report.summary()
     assert words in report.result("rm2", check).detail
-    if check != "outputs":  # wrong numbers also show under concurrency; the others are precise
+    if check not in ("outputs", "items"):  # wrong numbers also show under concurrency; the others are precise
         assert report.failed_checks() == {check}, [(r.check, r.detail) for r in report.failures]
 
 
@@ -164,7 +177,7 @@ def test_load_failure_skips_the_checks_that_need_it() -> None:
     report = run_conformance(Refuses(), **FAST)
     assert report.result("rm2", "load").outcome == "fail"
     assert "supports() is False" in report.result("rm2", "load").detail
-    assert {r.check for r in report.results if r.outcome == "skip"} == {"memory", "outputs", "concurrency", "close"}
+    assert {r.check for r in report.results if r.outcome == "skip"} == {"memory", "outputs", "items", "concurrency", "close"}
 
 
 def test_custom_cases_from_any_onnx_artifact() -> None:
