@@ -43,9 +43,9 @@ def file_checksum(path: str | Path) -> str:
 
 
 def table_checksums(directory: str | Path) -> dict[str, str]:
-    """Checksums of the ``table_NNN.npy`` files in ``directory`` (names relative to it)."""
+    """Checksums of the ``table_NNN.npy`` files in ``directory`` and its precision folders (paths relative to it)."""
     directory = Path(directory)
-    return {p.name: file_checksum(p) for p in sorted(directory.glob("table_*.npy"))}
+    return {p.relative_to(directory).as_posix(): file_checksum(p) for p in sorted(directory.glob("**/table_*.npy"))}
 
 
 def verify_tables(directory: str | Path, checksums: Mapping[str, str]) -> None:

@@ -1,0 +1,262 @@
+"""Models larger than memory: write tables straight to disk in chunks, never whole in memory.
+
+Two ways to get a table store (a version folder's ``tables/table_NNN.npy`` plus their
+checksums in ``plan.json``) without holding a table set in DRAM:
+
+* ``build_streamed("rm2", out)``: a built-in model at its published size. The dense part
+  is partitioned from a small build of the same model (its layers do not depend on table
+  sizes); the tables are then generated chunk by chunk straight into their files with
+  DLRM's init, U(-sqrt(1/rows), sqrt(1/rows)) per table, from a per-table seeded stream
+  (so not the same numbers as ``models.build`` at full size, which would need every
+  table in memory). ``precision`` int8/int4/fp16 also writes the row-wise quantized
+  copies (``tables/<precision>/table_NNN.npy``) chunk by chunk, as the host stage would.
+* ``import_tables(source, version_dir)``: a user's trained weights, a ``torch.save``d
+  state dict of EmbeddingBag tables (read with ``torch.load(mmap=True)``: no copy in
+  memory) or a folder of per-table ``.npy`` files, copied into the store in chunks.
+
+Both show a progress bar (rich) and leave every file's checksum in plan.json. Command
+line: ``python -m partitioner.table_build build rm2 --out repo/rm2/1`` and
+``python -m partitioner.table_build import state.pt --out repo/mine/1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["build_streamed", "import_tables", "write_table", "main"]
+
+_CHUNK_ROWS = 1 << 18
+
+
+def _progress(total_bytes: int, label: str, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
+    if not enabled:
+        return (lambda n: None), (lambda: None)
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+    progress.start()
+    task = progress.add_task(label, total=total_bytes)
+    return (lambda n: progress.advance(task, n)), progress.stop
+
+
+def write_table(path: Path, rows: int, dim: int, chunks: Iterator[np.ndarray], *, precision: str = "fp32",
+                advance: Callable[[int], None] = lambda n: None) -> None:
+    """Write fp32 ``chunks`` (rows in order, ``rows`` in all) to ``path`` and, for another precision,
+    its row-wise quantized copy to ``path.parent / precision / path.name``. Atomic per file."""
+    from backends.host_embedding import bytes_per_row
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(rows, dim))
+    qout = qtmp = qpath = None
+    if precision != "fp32":
+        qpath = path.parent / precision / path.name
+        qpath.parent.mkdir(parents=True, exist_ok=True)
+        qtmp = qpath.with_name(qpath.name + f".tmp{os.getpid()}")
+        width = dim if precision == "fp16" else bytes_per_row(precision, dim)
+        qout = np.lib.format.open_memmap(qtmp, mode="w+", dtype=np.float16 if precision == "fp16" else np.uint8,
+                                         shape=(rows, width))
+    start = 0
+    for chunk in chunks:
+        n = chunk.shape[0]
+        out[start:start + n] = chunk
+        if qout is not None:
+            qout[start:start + n] = _quantize(chunk, precision)
+        start += n
+        advance(n * dim * 4)
+        if start % (16 * _CHUNK_ROWS) < n:  # NOTE: written pages go to disk and leave the page cache
+            out.flush()
+            _drop(out)
+    if start != rows:
+        raise ValueError(f"{path}: {start} rows written, {rows} expected")
+    for array, src, dst in ((out, tmp, path), (qout, qtmp, qpath)):
+        if array is not None:
+            array.flush()
+            _drop(array)
+            del array
+            os.replace(src, dst)  # type: ignore[arg-type]
+    if qpath is not None:
+        os.utime(qpath)  # newer than its source: the host stage uses it as is
+
+
+def _drop(array: np.memmap) -> None:
+    try:
+        fd = os.open(array.filename, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+def _quantize(chunk: np.ndarray, precision: str) -> np.ndarray:
+    import torch
+
+    if precision == "fp16":
+        return chunk.astype(np.float16)
+    op = (torch.ops.quantized.embedding_bag_byte_prepack if precision == "int8"
+          else torch.ops.quantized.embedding_bag_4bit_prepack)
+    return op(torch.from_numpy(np.ascontiguousarray(chunk, np.float32))).numpy()
+
+
+def _uniform_chunks(rows: int, dim: int, seed: int, table: int) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng([seed, table])
+    bound = math.sqrt(1.0 / rows)
+    for lo in range(0, rows, _CHUNK_ROWS):
+        n = min(_CHUNK_ROWS, rows - lo)
+        chunk = rng.random((n, dim), dtype=np.float32)
+        chunk *= 2 * bound
+        chunk -= bound
+        yield chunk
+
+
+def build_streamed(name: str, out: str | Path, *, seed: int = 0, cards: int = 6, card_spec: str = "m2-card",
+                   host_spec: str = "host-cpu", precision: str = "fp32", max_rows: int | None = None,
+                   progress: bool = True) -> Path:
+    """Partition built-in ``name`` with tables at full size (or ``max_rows``) written in chunks; returns plan.json."""
+    import models
+
+    from .artifacts import write_artifacts
+    from .checksums import table_checksums
+    from .compile import HOST_PARTITION, partition_builtin
+
+    out = Path(out)
+    config = models.get_config(name, max_rows=max_rows)
+    small = min(1000, *config.table_rows)
+    _, partitioned = partition_builtin(name, max_rows=small, seed=seed, cards=cards, card_spec=card_spec,
+                                       host_spec=host_spec, table_precision=precision)
+    write_artifacts(partitioned, out)
+    tables = out / "tables"
+    for p in tables.glob("**/table_*.npy"):
+        p.unlink()
+    rows, dim = list(config.table_rows), config.embedding_dim
+    advance, stop = _progress(sum(rows) * dim * 4, f"{name}: {len(rows)} tables", progress)
+    try:
+        for t, r in enumerate(rows):
+            write_table(tables / f"table_{t:03d}.npy", r, dim, _uniform_chunks(r, dim, seed, t),
+                        precision=precision, advance=advance)
+    finally:
+        stop()
+    return _finish_plan(out, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+
+
+def _finish_plan(out: Path, rows: list[int], dim: int, precision: str, checksums: dict[str, str],
+                 host_partition: str) -> Path:
+    from backends.host_embedding import bytes_per_row
+
+    from .plan import PartitionPlan
+
+    path = out / "plan.json"
+    plan = PartitionPlan.load(path)
+    plan.tables.update(rows=rows, dim=dim, checksums=checksums)
+    info = plan.partition(host_partition)
+    info.param_bytes = sum(rows) * bytes_per_row(precision, dim)
+    plan.save(path)
+    return path
+
+
+def _natural(key: str) -> list[Any]:
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", key)]
+
+
+def import_tables(source: str | Path, version_dir: str | Path, *, keys: Sequence[str] | None = None,
+                  precision: str = "fp32", progress: bool = True) -> list[tuple[str, tuple[int, int]]]:
+    """Copy a user's tables into ``version_dir/tables`` (chunked) and record checksums in its plan.json.
+
+    ``source``: a ``torch.save``d state dict (every 2-D floating tensor whose key ends in
+    ``weight`` is a table, in natural key order, unless ``keys`` names them in order) or a
+    folder of ``.npy`` files (natural name order). Returns (key, shape) per table written.
+    """
+    from .checksums import table_checksums
+
+    source, version_dir = Path(source), Path(version_dir)
+    arrays: list[tuple[str, Any]] = []
+    if source.is_dir():
+        files = sorted(source.glob("*.npy"), key=lambda p: _natural(p.name))
+        arrays = [(p.name, np.load(p, mmap_mode="r")) for p in files if keys is None or p.name in keys]
+    else:
+        import torch
+        state = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+        if hasattr(state, "state_dict"):
+            state = state.state_dict()
+        chosen = list(keys) if keys else sorted(
+            (k for k, v in state.items() if isinstance(v, torch.Tensor) and v.ndim == 2
+             and v.is_floating_point() and k.endswith("weight")), key=_natural)
+        missing = [k for k in chosen if k not in state]
+        if missing:
+            raise KeyError(f"{source}: no tensors {missing}; it has {sorted(state)[:10]}...")
+        arrays = [(k, state[k]) for k in chosen]
+    if not arrays:
+        raise ValueError(f"{source}: no embedding tables found (2-D float '*weight' tensors or .npy files)")
+    dims = {a.shape[1] for _, a in arrays}
+    if len(dims) != 1:
+        raise ValueError(f"{source}: tables differ in dim {sorted(dims)}; the host stage needs one dim")
+    dim = dims.pop()
+    tables = version_dir / "tables"
+    advance, stop = _progress(sum(a.shape[0] for _, a in arrays) * dim * 4, f"importing {len(arrays)} tables",
+                              progress)
+
+    def chunks(a: Any) -> Iterator[np.ndarray]:
+        for lo in range(0, a.shape[0], _CHUNK_ROWS):
+            part = a[lo:lo + _CHUNK_ROWS]
+            part = part.float().numpy() if hasattr(part, "numpy") and not isinstance(part, np.ndarray) else part
+            yield np.ascontiguousarray(part, dtype=np.float32)
+
+    try:
+        for t, (_, a) in enumerate(arrays):
+            write_table(tables / f"table_{t:03d}.npy", int(a.shape[0]), dim, chunks(a), precision=precision,
+                        advance=advance)
+    finally:
+        stop()
+    rows = [int(a.shape[0]) for _, a in arrays]
+    if (version_dir / "plan.json").exists():
+        from .compile import HOST_PARTITION
+        _finish_plan(version_dir, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+    return [(k, (int(a.shape[0]), dim)) for k, a in arrays]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m partitioner.table_build", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="partition a built-in model with its tables written in chunks")
+    b.add_argument("model")
+    b.add_argument("--out", required=True, help="version folder, e.g. repo/rm2/1")
+    b.add_argument("--max-rows", type=int, default=None, help="cap every table at R rows (default: full size)")
+    b.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--cards", type=int, default=6)
+    b.add_argument("--card-spec", default="m2-card")
+    b.add_argument("--host-spec", default="host-cpu")
+    i = sub.add_parser("import", help="copy a user's tables (state dict or .npy folder) into a version folder")
+    i.add_argument("source")
+    i.add_argument("--out", required=True, help="version folder (its plan.json gets the checksums)")
+    i.add_argument("--keys", default=None, help="comma-separated state-dict keys, in table order")
+    i.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    args = p.parse_args(argv)
+    if args.command == "build":
+        path = build_streamed(args.model, args.out, seed=args.seed, cards=args.cards, card_spec=args.card_spec,
+                              host_spec=args.host_spec, precision=args.table_precision, max_rows=args.max_rows)
+        print(f"wrote {path}")
+    else:
+        done = import_tables(args.source, args.out, keys=args.keys.split(",") if args.keys else None,
+                             precision=args.table_precision)
+        for t, (key, shape) in enumerate(done):
+            print(f"table_{t:03d}.npy  <- {key}  {shape[0]} x {shape[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
