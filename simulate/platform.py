@@ -1,0 +1,230 @@
+"""A platform to simulate: a model's plan on a host and N cards, each stage priced by the cost model.
+
+``build_platform`` partitions a built-in model (plan only: no ONNX export) and keeps, per
+stage, what ``partitioner.cost.stage_seconds`` needs to price a batch of any size on its
+device: the ``PartitionCost`` (with its op profile, so a calibrated host spec prices the
+host stage op by op) and the bytes per item crossing the device's link. Those are the
+figures the printed plan's estimates come from, so the simulation and the plan agree.
+
+The plan is made on tables capped at ``PROBE_ROWS`` rows: the cost of a lookup does not
+depend on the table's length (the cost model prices ids and row bytes), and a full-size
+model (dlrm-mlperf: ~90 GiB of tables) could not be built here. The full-size tables are
+still counted, from the model's config, against the host spec's memory.
+
+Precisions: ``table_precision`` prices each looked-up row at its packed size
+(``backends.host_embedding.bytes_per_row``); ``dense_precision`` "fp16" prices the dense
+partition at the card's fp16 peak with half its weight bytes (what
+``partitioner.precision.apply_dense_precision`` does to the plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import models
+from backends.host_embedding import PRECISIONS, bytes_per_row
+from backends.spec import DeviceSpec, load_spec
+from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+from partitioner.cost import PartitionCost, stage_seconds
+from partitioner.plan import PartitionPlan
+from partitioner.strategy import ACTIVATION_HEADROOM
+from server.admission import PER_REQUEST_S
+
+__all__ = ["StageModel", "Platform", "build_platform", "resolve_spec", "PROBE_ROWS", "DENSE_PRECISIONS"]
+
+PROBE_ROWS = 10_000
+"""Rows per table of the model the plan and its costs are measured on."""
+DENSE_PRECISIONS = ("fp32", "fp16")
+
+
+@dataclass(eq=False)
+class StageModel:
+    """One stage on one device: modelled seconds of a batch of ``rows`` items (memoized per row count)."""
+
+    name: str
+    device: DeviceSpec
+    cost: PartitionCost
+    in_per_item: float = 0.0
+    """Bytes per item sent to the device over its link."""
+    out_per_item: float = 0.0
+    _memo: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def seconds(self, rows: int) -> float:
+        s = self._memo.get(rows)
+        if s is None:
+            s = self._memo[rows] = stage_seconds(self.device, self.cost, rows, self.in_per_item * rows,
+                                                 self.out_per_item * rows)
+        return s
+
+
+@dataclass(eq=False)
+class Platform:
+    """What a simulation runs: the plan, its stages' prices, and the facts capacity planning reports."""
+
+    model: str
+    plan: PartitionPlan
+    host: StageModel
+    lanes: list[list[StageModel]]
+    """Per card lane (a card, or a pipeline replica's cards), its dense stages in order."""
+    host_dense: StageModel | None
+    """The dense partition on the host CPU (small batches may run there); None: no fallback."""
+    card_spec: DeviceSpec
+    host_spec: DeviceSpec
+    cards: int
+    """Cards on the platform (those the plan leaves idle included: they are bought and powered)."""
+    ids_per_item: float
+    """Mean looked-up ids per item (sum of the tables' pooling)."""
+    table_bytes: int
+    """Host memory the tables take at full size (or ``max_rows``) in ``table_precision``."""
+    table_precision: str = "fp32"
+    dense_precision: str = "fp32"
+    per_request_s: float = PER_REQUEST_S
+    """Serving cost of one request on the event loop (decode, validate, queue, encode)."""
+
+    @property
+    def power_watts(self) -> float:
+        """The cards' power (``DeviceSpec.power_watts`` x cards); 0 when the spec does not say."""
+        return self.cards * self.card_spec.power_watts
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} on {self.cards} x {self.card_spec.name}"
+
+    def throughput_items_per_s(self) -> float:
+        """The plan-style bound at 256-item batches: the slowest of host, lanes and event loop."""
+        rows = 256
+        host = rows / self.host.seconds(rows)
+        lanes = sum(rows / max(s.seconds(rows) for s in lane) for lane in self.lanes)
+        return min(host, lanes)
+
+    def describe(self) -> str:
+        rows = 256
+        lane = self.lanes[0]
+        card_ms = sum(s.seconds(rows) for s in lane) * 1e3
+        return (f"{self.label} (host {self.host_spec.name}; tables {self.table_precision}, dense "
+                f"{self.dense_precision}): per {rows}-item batch host {self.host.seconds(rows) * 1e3:.3f} ms, "
+                f"card lane {card_ms:.3f} ms x {len(self.lanes)} lanes"
+                + (f", host dense {self.host_dense.seconds(rows) * 1e3:.3f} ms" if self.host_dense else "")
+                + f"; bound {self.throughput_items_per_s():,.0f} items/s")
+
+
+def resolve_spec(name_or_path: str | DeviceSpec, what: str) -> DeviceSpec:
+    """A spec by name or path; ValueError naming the argument ``what`` when there is none."""
+    if isinstance(name_or_path, DeviceSpec):
+        return name_or_path
+    try:
+        return load_spec(name_or_path)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{what}: {exc.args[0]}") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{what}: spec file {name_or_path!r} is not a device spec ({exc})") from None
+
+
+_PLANS: dict[tuple, object] = {}
+
+
+def _partition(model: str, cards: int, card: DeviceSpec, host: DeviceSpec, strategy: str):  # noqa: ANN202
+    """The plan-only partition, cached per process (a sweep plans each platform once)."""
+    key = (model, cards, json.dumps(card.to_dict(), sort_keys=True), json.dumps(host.to_dict(), sort_keys=True),
+           strategy)
+    if key not in _PLANS:
+        if len(_PLANS) >= 64:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = partition_builtin(model, max_rows=PROBE_ROWS, cards=cards, card_spec=card, host_spec=host,
+                                        strategy=strategy, compile=False)[1]
+    return _PLANS[key]
+
+
+def _table_precision(cost: PartitionCost, precision: str, dim: int, ids_per_item: float) -> PartitionCost:
+    """The host stage's cost with each looked-up row read at its packed size in ``precision``."""
+    if precision == "fp32":
+        return cost
+    row = float(bytes_per_row(precision, dim))
+    ops = tuple(dataclasses.replace(op, row_bytes=row) if op.kind == "gather" and op.row_bytes >= 4 * dim
+                else op for op in cost.ops)
+    return dataclasses.replace(cost, bytes_per_item=ids_per_item * (row + 8.0), ops=ops)
+
+
+def _dense_precision(cost: PartitionCost, precision: str) -> PartitionCost:
+    if precision == "fp32":
+        return cost
+    half = cost.param_bytes // 2
+    ops = tuple(dataclasses.replace(op, bytes=(op.bytes[0] / 2, op.bytes[1] / 2)) for op in cost.ops)
+    return dataclasses.replace(cost, dtype="fp16", param_bytes=half, weight_bytes_per_batch=half,
+                               ops=ops)
+
+
+def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = "m2-card",
+                   host_spec: str | DeviceSpec = "host-cpu", table_precision: str = "fp32",
+                   dense_precision: str = "fp32", max_rows: int | None = None, strategy: str = "auto",
+                   host_dense: bool = True, per_request_s: float = PER_REQUEST_S,
+                   host_memory_bytes: int | None = None) -> Platform:
+    """Plan ``model`` on ``cards`` cards of ``card_spec`` plus the host, priced for simulation.
+
+    Raises ValueError naming the argument at fault: an unknown model or spec, no cards, a
+    precision that does not exist, tables that do not fit the host, a dense part no card fits.
+    """
+    if model not in models.names():
+        raise ValueError(f"--model: unknown model {model!r}; built-in: {', '.join(models.names())}")
+    if not isinstance(cards, int) or cards < 1:
+        raise ValueError(f"--cards must be >= 1, got {cards!r}")
+    if table_precision not in PRECISIONS:
+        raise ValueError(f"--table-precision: unknown {table_precision!r}; known: {', '.join(PRECISIONS)}")
+    if dense_precision not in DENSE_PRECISIONS:
+        raise ValueError(f"--dense-precision: unknown {dense_precision!r}; known: {', '.join(DENSE_PRECISIONS)}")
+    if not per_request_s >= 0:
+        raise ValueError(f"--per-request-us must be >= 0, got {per_request_s * 1e6}")
+    card = resolve_spec(card_spec, "--card-spec")
+    host = resolve_spec(host_spec, "--host-spec")
+    if host_memory_bytes is not None:
+        if host_memory_bytes <= 0:
+            raise ValueError(f"--host-memory-gib must be > 0, got {host_memory_bytes / 2**30:g}")
+        host = dataclasses.replace(host, memory_bytes=int(host_memory_bytes))
+    config = models.get_config(model, max_rows=max_rows)
+    table_bytes = sum(config.table_rows) * bytes_per_row(table_precision, config.embedding_dim)
+    if table_bytes > host.memory_bytes:
+        raise ValueError(f"--host-spec: {model}'s tables need {table_bytes / 2**30:.1f} GiB in {table_precision} "
+                         f"({'full size' if max_rows is None else f'--max-rows {max_rows}'}); host "
+                         f"{host.name} has {host.memory_bytes / 2**30:.1f} GiB (--host-memory-gib sets it; or try "
+                         "--table-precision int8)")
+    try:
+        partitioned = _partition(model, cards, card, host, strategy)
+    except ValueError as exc:  # PlanError: quotes the numbers
+        raise ValueError(f"--card-spec {card.name}: {exc}") from None
+    plan = partitioned.plan
+    ids_per_item = float(sum(config.pooling))
+    host_cost = _table_precision(partitioned.costs[HOST_PARTITION], table_precision, config.embedding_dim,
+                                 ids_per_item)
+    host_stage = StageModel("host", host, host_cost)
+    stages = plan.dense_stages()
+    lanes: list[list[StageModel]] = []
+    if stages == [DENSE_PARTITION]:
+        dense_cost = _dense_precision(partitioned.costs[DENSE_PARTITION], dense_precision)
+        if dense_cost.param_bytes * ACTIVATION_HEADROOM > card.memory_bytes:
+            raise ValueError(f"--card-spec {card.name}: the dense partition needs "
+                             f"{dense_cost.param_bytes * ACTIVATION_HEADROOM / 2**30:.2f} GiB")
+        io = partitioned.io_bytes[DENSE_PARTITION]
+        for device in plan.devices_of(DENSE_PARTITION):
+            lanes.append([StageModel(device, plan.device(device).spec, dense_cost, *io)])
+    else:  # a pipeline: one lane per replica, its stages in order
+        replicas: dict[int, list[StageModel]] = {}
+        for p in sorted(plan.placements, key=lambda p: (p.replica, stages.index(p.partition)
+                                                          if p.partition in stages else -1)):
+            if p.partition in stages:
+                cost = _dense_precision(partitioned.costs[p.partition], dense_precision)
+                replicas.setdefault(p.replica, []).append(
+                    StageModel(f"{p.device}:{p.partition}", plan.device(p.device).spec, cost,
+                               *partitioned.io_bytes[p.partition]))
+        lanes = [replicas[r] for r in sorted(replicas)]
+    dense_on_host = None
+    if host_dense and stages == [DENSE_PARTITION]:
+        # NOTE: as server.loader: the dense ONNX on onnxruntime on the host, priced on the host spec (no link).
+        dense_on_host = StageModel("host-dense", host, _dense_precision(partitioned.costs[DENSE_PARTITION],
+                                                                        dense_precision))
+    return Platform(model=model, plan=plan, host=host_stage, lanes=lanes, host_dense=dense_on_host,
+                    card_spec=card, host_spec=host, cards=cards, ids_per_item=ids_per_item,
+                    table_bytes=table_bytes, table_precision=table_precision, dense_precision=dense_precision,
+                    per_request_s=per_request_s)
+
