@@ -11,6 +11,8 @@ each model:
 ``load``                  ``supports()`` takes the ONNX partition; ``load()`` returns an Executable
 ``memory``                ``memory_bytes()`` is an int > 0
 ``outputs``               ``infer()`` equals ONNX Runtime (atol 1e-4) for every batch size 1..max
+``items``                 the tensor contract: dim 0 of every tensor is items x k (k per tensor); a
+                          batch split at item boundaries and rejoined equals the whole
 ``concurrency``           threads calling ``run()`` on separate executables, and many ``infer()``
                           calls queued at once on each executable, all answer correctly
 ``bad-input``             a missing input, a wrong width, mismatched rows, float64: an exception
@@ -18,6 +20,8 @@ each model:
 ``does-not-fit``          ``load()`` on a device with a quarter of the weights' memory raises
                           DoesNotFit quoting the sizes
 ``close``                 ``close()`` works twice; ``infer()`` afterwards raises
+``op``                    (op cases) a one-node model of each ONNX op use of the zoo's dense
+                          partitions (``ops.dense_ops()``, fp32 and fp16) equals ONNX Runtime
 ========================  =========================================================================
 
 Every call into the backend runs under a timeout (``--timeout``, 10 s). The
@@ -27,11 +31,13 @@ Python API, ``run_conformance(name_or_instance, ...)``, returns a
 """
 
 from .cases import DEFAULT_MODELS, Case, builtin_case, builtin_cases, case_from_artifact
-from .kit import CHECKS, CheckFailed, run_conformance, run_conformance_async
+from .kit import CHECKS, CheckFailed, rows_per_item, run_conformance, run_conformance_async
+from .ops import dense_ops, op_cases
 from .report import CheckResult, ConformanceReport
 
 __all__ = [
     "run_conformance", "run_conformance_async", "CHECKS", "CheckFailed",
     "ConformanceReport", "CheckResult",
     "Case", "case_from_artifact", "builtin_case", "builtin_cases", "DEFAULT_MODELS",
+    "rows_per_item", "dense_ops", "op_cases",
 ]

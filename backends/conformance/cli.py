@@ -33,7 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance against ONNX Runtime")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--no-ops", action="store_true",
+                   help="skip the op cases (one-node models of every ONNX op use of the dense partitions)")
     p.add_argument("--list", action="store_true", help="list registered backends and exit")
+    p.add_argument("--list-specs", action="store_true",
+                   help="list named device specs (sixfold's, vendor entry points, backends' devices()) and exit")
+    p.add_argument("--list-ops", action="store_true", help="print the ONNX ops a backend must run, and exit")
     return p
 
 
@@ -49,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print(describe())
         return 0
+    if args.list_specs:
+        from ..spec_catalog import describe_specs
+        print(describe_specs())
+        return 0
+    if args.list_ops:
+        from .ops import dense_ops, markdown_table
+        print(markdown_table(dense_ops()))
+        return 0
     if not args.backend:
         print("conformance: name a backend (see --list)", file=sys.stderr)
         return 2
@@ -61,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run_conformance(args.backend, models=names, max_batch=args.max_batch, max_rows=args.max_rows,
                                      card_spec=args.card_spec, options=options,
                                      checks=[c.strip() for c in args.checks.split(",") if c.strip()],
-                                     timeout_s=args.timeout, atol=args.atol, seed=args.seed)
+                                     timeout_s=args.timeout, atol=args.atol, seed=args.seed, ops=not args.no_ops)
     except (BackendError, KeyError, ValueError, FileNotFoundError, MemoryError) as exc:
         print(f"conformance: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

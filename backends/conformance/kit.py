@@ -28,8 +28,10 @@ from .report import CheckResult, ConformanceReport
 __all__ = ["CHECKS", "run_conformance", "run_conformance_async", "CheckFailed", "rows_per_item"]
 
 CHECKS: tuple[str, ...] = ("load", "memory", "outputs", "items", "concurrency", "bad-input", "does-not-fit",
-                           "close")
-"""Every check, in the order they run on each case. "load" always runs: the others need it."""
+                           "close", "op")
+"""Every check, in the order they run on each case. "load" always runs: the others need it. "op" runs
+on the one-node op cases (``backends.conformance.ops``: every ONNX op use of the zoo's dense
+partitions), which run only "load" and "op"; the model cases run the rest."""
 
 T = TypeVar("T")
 
@@ -439,8 +441,9 @@ _CHECK_FNS: dict[str, Callable[[_Context], Awaitable[str]]] = {
     "load": check_load, "memory": check_memory, "outputs": check_outputs, "items": check_items,
     "concurrency": check_concurrency,
     "bad-input": check_bad_input, "does-not-fit": check_does_not_fit, "close": check_close,
+    "op": check_outputs,  # a one-node model of one op use: the same comparison, at the case's tolerance
 }
-_NEEDS_MAIN = {"memory", "outputs", "items", "concurrency", "close"}
+_NEEDS_MAIN = {"memory", "outputs", "items", "concurrency", "close", "op"}
 
 
 # -- the runner ---------------------------------------------------------------------------------------
@@ -457,7 +460,11 @@ def _backend(backend: str | Backend, options: Mapping[str, Any]) -> tuple[Backen
 
 async def _run_case(backend: Backend, case: Case, spec: DeviceSpec, checks: Sequence[str], timeout_s: float,
                     atol: float, report: ConformanceReport) -> None:
+    if case.notes.get("atol"):
+        atol = max(atol, float(case.notes["atol"]))
     ctx = _Context(backend, case, spec, timeout_s, atol, report)
+    is_op = bool(case.notes.get("op"))
+    checks = [c for c in checks if (c == "op") == is_op]
     try:
         for name in ("load", *[c for c in checks if c != "load"]):
             if name in _NEEDS_MAIN and ctx.main is None:
@@ -484,7 +491,7 @@ async def run_conformance_async(backend: str | Backend, *, models: Iterable[str]
                                 cases: Iterable[Case] | None = None, max_batch: int = 64, max_rows: int = 200,
                                 card_spec: str | DeviceSpec = "m2-card", options: Mapping[str, Any] | None = None,
                                 checks: Iterable[str] | None = None, timeout_s: float = 10.0,
-                                atol: float = 1e-4, seed: int = 0) -> ConformanceReport:
+                                atol: float = 1e-4, seed: int = 0, ops: bool = True) -> ConformanceReport:
     """``run_conformance`` for callers already on an event loop."""
     options = dict(options or {})
     checks = list(checks) if checks is not None else list(CHECKS)
@@ -497,6 +504,9 @@ async def run_conformance_async(backend: str | Backend, *, models: Iterable[str]
     spec = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
     case_list = list(cases) if cases is not None else builtin_cases(
         list(models), max_batch=max_batch, max_rows=max_rows, seed=seed)
+    if cases is None and ops and "op" in checks:
+        from .ops import op_cases
+        case_list += op_cases(seed)
     report = ConformanceReport(backend=name, options=options, device=spec.name)
     for case in case_list:
         await _run_case(instance, case, spec, [c for c in CHECKS if c in checks], timeout_s, atol, report)
@@ -512,7 +522,9 @@ def run_conformance(backend: str | Backend, **kwargs: Any) -> ConformanceReport:
     the models), ``card_spec`` (device spec name, path or DeviceSpec; default
     m2-card), ``options`` (backend options, for a name), ``checks`` (a subset
     of CHECKS), ``timeout_s`` (10: per call into the backend), ``atol`` (1e-4),
-    ``seed``. Never raises for a wrong backend: the report says what failed.
+    ``seed``, ``ops`` (True: also run every ONNX op use of the zoo's dense
+    partitions as a one-node model, check "op"). Never raises for a wrong
+    backend: the report says what failed.
     """
     try:
         asyncio.get_running_loop()
