@@ -123,6 +123,11 @@ def _frontend(arrivals: np.ndarray, per_request_s: float, server: Server) -> np.
     return out
 
 
+def _last(arrive: Callable[[int], None], i: int, woken: asyncio.Future) -> None:
+    arrive(i)
+    woken.set_result(None)
+
+
 class _Counter:
     """Counts the batches the batcher forms (wraps ``PlanRuntime.run``)."""
 
@@ -185,7 +190,8 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
         batching = settings.batching
         inflight = batching.max_inflight_batches or len(lanes) + 1
         batcher = DynamicBatcher(counter.run, batching, max_inflight=inflight, clock=loop.time,
-                                 cost=PlanCost.from_plan(platform.plan), trim=None)
+                                 cost=PlanCost.from_plan(platform.plan) if platform.plan is not None else None,
+                                 trim=None)
         state.update(host=host, lanes=lanes, host_dense=host_dense, runtime=runtime, counter=counter)
         outstanding = [0]
         finished = loop.create_future()
@@ -228,17 +234,15 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
                 progress(loop.time(), window_end)
 
         # NOTE: arrivals are timers scheduled a chunk at a time (a timer each costs less than a
-        # coroutine sleeping between them, and the heap stays small).
+        # coroutine sleeping between them, and the heap stays small); the chunk's last one wakes us.
         chunk = 128
         for first in range(0, n, chunk):
             last = min(n, first + chunk)
-            for i in range(first, last):
+            for i in range(first, last - 1):
                 loop.call_at(float(enqueue_at[i]), arrive, i)
-            now = loop.time()
-            wake = float(enqueue_at[last - 1])
-            if wake > now:
-                await asyncio.sleep(wake - now)
-            await asyncio.sleep(0)  # the last arrival of the chunk has run
+            woken = loop.create_future()
+            loop.call_at(float(enqueue_at[last - 1]), _last, arrive, last - 1, woken)
+            await woken
         state["all_sent"] = True
         if outstanding[0]:
             await finished

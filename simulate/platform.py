@@ -64,7 +64,8 @@ class Platform:
     """What a simulation runs: the plan, its stages' prices, and the facts capacity planning reports."""
 
     model: str
-    plan: PartitionPlan
+    plan: PartitionPlan | None
+    """The plan (admission prices requests from it; None: no work-based admission)."""
     host: StageModel
     lanes: list[list[StageModel]]
     """Per card lane (a card, or a pipeline replica's cards), its dense stages in order."""
