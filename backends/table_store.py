@@ -182,7 +182,7 @@ class TieredRows:
     """
 
     def __init__(self, files: Sequence[str | Path | TableFile], budget: int, *, policy: Policy = "tinylfu",
-                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = 4,
+                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = 16,
                  direct: bool = True, ways: int = 8) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
