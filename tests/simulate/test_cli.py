@@ -1,0 +1,88 @@
+"""sixfold-simulate end to end (small, short runs) and its messages for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simulate.cli import main
+from simulate.platform import build_platform
+
+SHORT = ["--duration", "0.5", "--warmup", "0.1", "--quiet"]
+
+
+def test_run_prints_a_table_and_writes_json_and_a_plot(tmp_path, capsys) -> None:
+    out, png = tmp_path / "run.json", tmp_path / "run.png"
+    code = main(["run", "--model", "rm1", "--cards", "2", "--qps", "50,100", *SHORT, "--json", str(out),
+                 "--plot", str(png), "--host-spec", "host-cpu"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "2 x m2-card" in text and "p99 ms" in text
+    data = json.loads(out.read_text())
+    runs = data["results"][0]["runs"]
+    assert [r["rate"] for r in runs] == [50.0, 100.0]
+    assert set(runs[0]["utilisation"]) >= {"frontend", "host", "card0", "card1"}
+    assert png.stat().st_size > 1000
+
+
+def test_scheduling_flags_are_sixfold_serves(tmp_path) -> None:
+    out = tmp_path / "run.json"
+    args = ["run", "--model", "rm1", "--cards", "1", "--qps", "20", *SHORT, "--json", str(out), "--host-spec",
+            "host-cpu", "--query-size", "fixed:10"]
+    assert main([*args, "--max-queue-delay-us", "5000"]) == 0
+    slow = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
+    assert main([*args, "--max-queue-delay-us", "1000"]) == 0
+    fast = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
+    assert slow - fast == pytest.approx(4.0, abs=0.05)  # a lone small query waits out the window
+
+
+def test_capacity_answers_the_fewest_cards_and_their_watts(tmp_path, capsys) -> None:
+    out = tmp_path / "cap.json"
+    code = main(["capacity", "--model", "rm1", "--card-spec", "m2-card", "--qps", "400", "--p99-ms", "60",
+                 "--max-cards", "4", "--query-size", "fixed:100", *SHORT, "--json", str(out), "--host-spec",
+                 "host-cpu"])
+    assert code == 0
+    answer = json.loads(out.read_text())["results"][0]
+    assert answer["cards"] is not None and 1 <= answer["cards"] <= 4
+    assert answer["watts"] == 12 * answer["cards"]
+    assert "Fewest cards" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--model", "rm1", "--card-spec", "no-such-card", "--qps", "10"], "--card-spec: no device spec 'no-such-card'"),
+    (["run", "--model", "rm1", "--qps", "0"], "--qps must be > 0"),
+    (["run", "--model", "rm1", "--qps", "-5"], "--qps must be > 0"),
+    (["run", "--model", "rm1", "--qps", "ten"], "--qps: 'ten' is not a list of numbers"),
+    (["run", "--model", "rm1", "--cards", "0", "--qps", "10"], "--cards must be > 0"),
+    (["run", "--model", "rm9", "--qps", "10"], "--model: unknown model 'rm9'"),
+    (["run", "--model", "rm1", "--qps", "10", "--query-size", "huge"], "--query-size: bad query size spec"),
+    (["run", "--model", "rm1", "--qps", "10", "--arrival", "sometimes"], "--arrival: bad arrival spec"),
+    (["run", "--model", "rm1", "--qps", "10", "--duration", "0"], "--duration must be > 0"),
+    (["max-qps", "--model", "rm1", "--p99-ms", "0.5"], "--p99-ms 0.5: a lone 700-item query"),
+    (["capacity", "--model", "rm1", "--qps", "-1"], "--qps must be > 0"),
+    (["run", "--model", "dlrm-mlperf", "--qps", "10", "--host-spec", "host-calibrated"], "--host-spec: dlrm-mlperf's tables need"),
+    (["run", "--model", "rm1", "--qps", "10", "--max-batch-rows", "0"], "scheduling flags: max_batch_rows must be >= 1"),
+])
+def test_bad_input_is_refused_naming_the_argument(argv, says, capsys) -> None:
+    defaults = [*SHORT, "--host-spec", "host-cpu"]  # first, so the case's own flags win
+    assert main([argv[0], *defaults, *argv[1:]]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_precision_and_spec_change_the_platforms_prices() -> None:
+    base = build_platform("dlrm-mlperf", cards=2, card_spec="m2-card", host_spec="host-cpu", max_rows=10_000)
+    int8 = build_platform("dlrm-mlperf", cards=2, card_spec="m2-card", host_spec="host-cpu", max_rows=10_000,
+                          table_precision="int8")
+    fp16 = build_platform("dlrm-mlperf", cards=2, card_spec="m2-card", host_spec="host-cpu", max_rows=10_000,
+                          dense_precision="fp16")
+    l4 = build_platform("dlrm-mlperf", cards=2, card_spec="gpu-l4", host_spec="host-cpu", max_rows=10_000)
+    assert int8.host.seconds(256) < base.host.seconds(256)
+    assert int8.table_bytes < base.table_bytes / 3
+    assert fp16.lanes[0][0].seconds(256) < base.lanes[0][0].seconds(256)
+    assert l4.lanes[0][0].seconds(256) < base.lanes[0][0].seconds(256)
+    assert (base.power_watts, l4.power_watts) == (24, 144)
+    # The card stage is priced as the plan prices it: its estimate at the plan's batch size.
+    est = {d.device: d.batch_seconds for d in base.plan.estimates.per_device}
+    assert base.lanes[0][0].seconds(base.plan.estimates.batch_rows) == pytest.approx(est["card0"])
+    assert base.host.seconds(base.plan.estimates.batch_rows) == pytest.approx(est["host"])
