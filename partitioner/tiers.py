@@ -1,0 +1,269 @@
+"""Pricing the table tiers: what a DRAM row cache in front of disk costs the host stage.
+
+Three inputs, one formula per batch::
+
+    hit rate   h = expected share of ids whose row is cached, for a cache of S rows
+                   holding the most popular rows (power-law ids, exponent alpha)
+    reads      D = expected distinct rows among one batch's missed ids
+    time       host_s(resident) + D / disk.iops + disk.read_latency_s (one round of reads)
+
+The popularity model is the one ``models.RequestGenerator`` (and so the loadgen) draws
+ids from: a bounded continuous power law, P(rank <= k) = (k^(1-a) - 1) / (R^(1-a) - 1)
+per table of R rows. The cache's S rows are spread over the tables where they catch the
+most ids (water-filling on each table's density, weighted by its pooling), which is
+what a frequency-admitting cache converges to; the hit rate is therefore an upper bound
+for a warm cache (cold starts and CLOCK's approximations lose some).
+
+``DiskSpec`` holds the disk's measured random 4 KiB read latency (one at a time) and
+IOPS (at a queue depth of ``depth`` threads): ``measure_disk(directory)`` measures them
+with O_DIRECT reads of a scratch file (deleted after). ``python -m partitioner.tiers
+calibrate --dir /data --out disk.json`` writes one; ``python -m partitioner.tiers
+PLAN.json --disk-spec disk.json --zipf 1.05`` prints the tier table for a plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["DiskSpec", "TierEstimate", "measure_disk", "zipf_hit_rate", "distinct_misses", "price_tiers",
+           "print_tier_table", "GENERIC_SSD"]
+
+_BLOCK = 4096
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """A disk as the tier model sees it: random 4 KiB reads."""
+
+    name: str
+    read_latency_s: float
+    """One random 4 KiB read, queue depth 1."""
+    iops: float
+    """Random 4 KiB reads per second at ``depth`` concurrent readers."""
+    depth: int = 16
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DiskSpec":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+GENERIC_SSD = DiskSpec("generic-nvme", read_latency_s=80e-6, iops=400_000, depth=32)
+"""A datacenter NVMe SSD's 4 KiB random read figures (order of magnitude), when none was measured."""
+
+
+def measure_disk(directory: str | Path, *, size: int = 512 << 20, seconds: float = 4.0, depth: int = 32,
+                 name: str = "disk-calibrated") -> DiskSpec:
+    """Time random O_DIRECT 4 KiB reads of a scratch file in ``directory`` (written, then deleted)."""
+    from backends import pread
+
+    fd_w, path = tempfile.mkstemp(prefix=".sixfold-disk-", dir=directory)
+    try:
+        chunk = os.urandom(8 << 20)
+        with os.fdopen(fd_w, "wb") as f:
+            for _ in range(size // len(chunk)):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(path, flags)
+            block = _BLOCK
+        except OSError:
+            fd, block = os.open(path, os.O_RDONLY), 0
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            rng = np.random.default_rng(0)
+            blocks = size // _BLOCK
+
+            def reads(n: int) -> np.ndarray:
+                return rng.integers(0, blocks, n) * _BLOCK
+
+            out = np.empty((4096, 64), np.uint8)
+            # depth 1: latency
+            n, spent = 0, 0.0
+            while spent < seconds / 2 and n < 200_000:
+                offs = reads(256)
+                t = time.perf_counter()
+                pread.gather(fd, offs, 64, out[:256], block)
+                spent += time.perf_counter() - t
+                n += 256
+            latency = spent / n
+            # depth N: throughput
+            pool = ThreadPoolExecutor(depth)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 2:
+                offs = [reads(256) for _ in range(depth)]
+                bufs = [np.empty((256, 64), np.uint8) for _ in range(depth)]
+                list(pool.map(lambda k: pread.gather(fd, offs[k], 64, bufs[k], block), range(depth)))
+                n += 256 * depth
+            iops = n / (time.perf_counter() - t0)
+            pool.shutdown()
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+    return DiskSpec(name, read_latency_s=latency, iops=iops, depth=depth)
+
+
+def _cdf(k: np.ndarray | float, rows: int, alpha: float) -> np.ndarray | float:
+    """P(rank <= k) for the bounded power law over ``rows`` ranks."""
+    if abs(alpha - 1.0) < 1e-9:
+        return np.log(np.maximum(k, 1)) / math.log(rows)
+    return (np.power(np.maximum(k, 1), 1 - alpha) - 1) / (rows ** (1 - alpha) - 1)
+
+
+def _cached_rows(table_rows: Sequence[int], pooling: Sequence[float], alpha: float, slots: int) -> list[float]:
+    """Rows of each table to cache so that ``slots`` rows catch the most ids (water-filling on density)."""
+    total = float(sum(table_rows))
+    if slots >= total:
+        return [float(r) for r in table_rows]
+    weights = np.asarray(pooling, float) / float(sum(pooling))
+    rows = np.asarray(table_rows, float)
+    a = max(alpha, 1.0 + 1e-6)
+    norm = (a - 1) / (1 - rows ** (1 - a))  # density at rank k: w * norm * k^-a
+
+    def take(lam: float) -> np.ndarray:
+        return np.clip((weights * norm / lam) ** (1 / a), 0, rows)
+
+    lo, hi = 1e-30, 1e3
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if take(mid).sum() > slots:
+            lo = mid
+        else:
+            hi = mid
+    return take(hi).tolist()
+
+
+def zipf_hit_rate(table_rows: Sequence[int], pooling: Sequence[float], alpha: float, slots: int) -> float:
+    """Expected share of ids answered by a cache of the ``slots`` most popular rows (per-id weighting)."""
+    cached = _cached_rows(table_rows, pooling, alpha, slots)
+    weights = np.asarray(pooling, float) / float(sum(pooling))
+    return float(sum(w * _cdf(k, r, alpha) for w, k, r in zip(weights, cached, table_rows)))
+
+
+def distinct_misses(table_rows: Sequence[int], pooling: Sequence[float], alpha: float, slots: int,
+                    items: int) -> float:
+    """Expected distinct uncached rows read by one batch of ``items`` items."""
+    cached = _cached_rows(table_rows, pooling, alpha, slots)
+    total = 0.0
+    for k, r, pool in zip(cached, table_rows, pooling):
+        if k >= r:
+            continue
+        draws = items * pool
+        edges = np.unique(np.geomspace(max(k, 1.0), r, 400))
+        p = np.diff(_cdf(edges, r, alpha))  # probability of the ranks in each bin
+        n = np.diff(edges)  # ranks per bin
+        per_rank = p / np.maximum(n, 1e-12)
+        total += float(np.sum(n * (1 - np.exp(-draws * per_rank))))
+    return total
+
+
+@dataclass(frozen=True)
+class TierEstimate:
+    budget_bytes: int
+    cache_rows: int
+    hit_rate: float
+    reads_per_batch: float
+    read_seconds: float
+    host_seconds: float
+    """Host stage per batch: the all-resident estimate plus the reads."""
+
+
+def price_tiers(table_rows: Sequence[int], pooling: Sequence[float], row_bytes: int, alpha: float,
+                budgets: Sequence[int], items: int, disk: DiskSpec, resident_seconds: float) -> list[TierEstimate]:
+    """One estimate per budget (bytes; the row index and staging taken out first, as the store does)."""
+    from backends.table_store import _INDEX_BYTES, _SLOT_OVERHEAD
+
+    rows_total = int(sum(table_rows))
+    out = []
+    for budget in budgets:
+        rest = budget - _INDEX_BYTES * rows_total
+        slots = min(rows_total, max(0, int(rest * 0.875) // (row_bytes + _SLOT_OVERHEAD)))  # as TieredRows splits it
+        hit = zipf_hit_rate(table_rows, pooling, alpha, slots)
+        reads = distinct_misses(table_rows, pooling, alpha, slots, items)
+        read_s = reads / disk.iops + (disk.read_latency_s if reads > 0 else 0.0)
+        out.append(TierEstimate(int(budget), slots, hit, reads, read_s, resident_seconds + read_s))
+    return out
+
+
+def print_tier_table(estimates: Sequence[TierEstimate], table_bytes: int, disk: DiskSpec, items: int,
+                     alpha: float, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"table tiers: {table_bytes / 2**30:.2f} GiB of rows, Zipf {alpha}, {items} items per batch, "
+                        f"disk {disk.name} ({disk.iops:,.0f} IOPS, {disk.read_latency_s * 1e6:.0f} us)")
+    for col in ("table memory", "share", "rows cached", "hit rate", "disk reads/batch", "read ms", "host ms/batch",
+                "items/s"):
+        table.add_column(col, justify="right")
+    for e in estimates:
+        table.add_row(f"{e.budget_bytes / 2**20:,.0f} MiB", f"{100 * e.budget_bytes / table_bytes:.0f}%",
+                      f"{e.cache_rows:,}", f"{100 * e.hit_rate:.1f}%", f"{e.reads_per_batch:,.0f}",
+                      f"{e.read_seconds * 1e3:.1f}", f"{e.host_seconds * 1e3:.1f}",
+                      f"{items / e.host_seconds:,.0f}")
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        p = argparse.ArgumentParser(prog="python -m partitioner.tiers calibrate")
+        p.add_argument("--dir", default=".", help="a folder on the disk that will hold the tables")
+        p.add_argument("--seconds", type=float, default=4.0)
+        p.add_argument("--depth", type=int, default=32, help="concurrent readers (the store's io threads)")
+        p.add_argument("--out", type=Path, default=None)
+        args = p.parse_args(argv[1:])
+        spec = measure_disk(args.dir, seconds=args.seconds, depth=args.depth)
+        if args.out:
+            args.out.write_text(spec.to_json() + "\n")
+        print(spec.to_json())
+        return 0
+    p = argparse.ArgumentParser(prog="python -m partitioner.tiers", description="print a plan's table tier table")
+    p.add_argument("plan", help="plan.json of a table-batched model")
+    p.add_argument("--disk-spec", default=None, help="JSON from `calibrate` (default: a generic NVMe SSD)")
+    p.add_argument("--zipf", type=float, default=None, help="id skew (default: the plan's, else 1.05)")
+    p.add_argument("--items", type=int, default=None, help="items per batch (default: the plan's batch rows)")
+    p.add_argument("--table-memory", action="append", default=[], help="budgets to price (default 5/10/25/100%%)")
+    args = p.parse_args(argv)
+    from backends.host_embedding import bytes_per_row
+    from backends.table_store import parse_table_memory
+
+    from .plan import PartitionPlan
+    plan = PartitionPlan.load(args.plan)
+    tables = plan.tables
+    rows, pooling = tables["rows"], tables.get("pooling") or [1] * len(tables["rows"])
+    row_bytes = bytes_per_row(tables.get("precision", "fp32"), tables["dim"])
+    table_bytes = sum(rows) * row_bytes
+    disk = DiskSpec.load(args.disk_spec) if args.disk_spec else GENERIC_SSD
+    alpha = args.zipf or float(tables.get("zipf") or 1.05)
+    items = args.items or plan.estimates.batch_rows
+    budgets = []
+    for text in args.table_memory or ["5%", "10%", "25%", "100%"]:
+        value = parse_table_memory(text)
+        budgets.append(int(value * table_bytes) if isinstance(value, float) else int(value))
+    host = [d for d in plan.estimates.per_device if d.device == "host"]
+    resident = host[0].batch_seconds * items / plan.estimates.batch_rows if host else 0.0
+    print_tier_table(price_tiers(rows, pooling, row_bytes, alpha, budgets, items, disk, resident), table_bytes,
+                     disk, items, alpha)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
