@@ -116,7 +116,11 @@ def reference_artifacts(partitioned: PartitionedModel) -> dict[str, PartitionArt
             raise ValueError(f"partition {name} is already {art.dtype}; take the reference before converting it")
     host = stages[HOST_PARTITION]
     split = partitioned.split
-    if host.format == "tables":
+    if host.format == "tables" or host.metadata.get("precision", "fp32") != "fp32":
+        fp32 = [v for v in partitioned.variants.get(HOST_PARTITION, []) if v.metadata.get("precision", "fp32") == "fp32"]
+        if split is None and fp32:  # an ONNX host converted in place keeps its fp32 self as a variant
+            stages[HOST_PARTITION] = fp32[0]
+            return stages
         if split is None:
             raise ValueError("the host partition is quantized tables and there is no fp32 host graph to compare with")
         stages[HOST_PARTITION] = PartitionArtifact(
@@ -129,7 +133,7 @@ def reference_artifacts(partitioned: PartitionedModel) -> dict[str, PartitionArt
 def describe(stages: Stages) -> str:
     """"int8 tables + fp16 dense" style label of a served path."""
     host = stages[HOST_PARTITION]
-    tables = host.metadata.get("precision", "fp32") if host.format == "tables" else "fp32"
+    tables = host.metadata.get("precision", "fp32")
     dense = sorted({a.dtype for n, a in stages.items() if n != HOST_PARTITION})
     return f"{tables} tables + {'/'.join(dense)} dense"
 
@@ -140,8 +144,16 @@ def plan_requests(plan: PartitionPlan, seed: int) -> RequestGenerator:
     tables = int(shapes[LENGTHS][1])
     rows = plan.tables.get("rows") or [1] * tables  # unknown row counts: id 0, valid in any table
     pooling = plan.tables.get("pooling") or [1] * tables
-    return RequestGenerator(tuple(int(r) for r in rows), int(shapes[DENSE][1]), tuple(int(p) for p in pooling),
-                            zipf=plan.tables.get("zipf", 1.05), seed=seed)
+    cls = _FixedPooling if plan.tables.get("fixed_pooling") else RequestGenerator
+    return cls(tuple(int(r) for r in rows), int(shapes[DENSE][1]), tuple(int(p) for p in pooling),
+               zipf=plan.tables.get("zipf", 1.05), seed=seed)
+
+
+class _FixedPooling(RequestGenerator):
+    """Exactly ``pooling`` ids per (item, table): a model file traced at a fixed pooling may reshape by it."""
+
+    def lengths(self, items: int) -> np.ndarray:
+        return np.tile(self.pooling.astype(np.int32), (items, 1))
 
 
 class _Path:

@@ -31,11 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
     p.add_argument("--host-spec", default="host-cpu", help="device spec name or JSON file for the host")
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
-                   help="row-wise precision of the embedding tables (built-in models)")
+                   help="row-wise precision of the embedding tables: every lookup the partitioner recognises, "
+                   "built-in or file model (ONNX: fp16 or int8)")
     p.add_argument("--batch-rows", type=int, default=256, help="batch size the estimates are for")
     p.add_argument("--strategy", default="auto", choices=["auto", "replicate", "pipeline"],
                    help="dense placement: replicate on every card, pipeline in stages across cards, or auto "
                    "(replicate when the dense part fits a card, else pipeline)")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stage count for --strategy pipeline "
+                   "(default: the count with the highest throughput bound)")
     p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16"],
                    help="weights and compute of the dense (card) partition; its inputs/outputs stay fp32")
     p.add_argument("--accuracy-report", action="store_true",
@@ -45,11 +48,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"], default=None,
                    help="also place embedding tables on the cards as table-, row- or column-wise shards "
                    "balanced by lookup cost (auto: the lowest bottleneck); what does not fit stays on the host")
-    p.add_argument("--draw", metavar="PNG", help="also draw the graph with partitions coloured")
+    p.add_argument("--draw", metavar="PNG", help="also draw the graph with partitions coloured, and the devices: "
+                   "what each card holds (dense replicas, pipeline stages, table shards)")
+    p.add_argument("--measure", action="store_true", help="calibrate this host, then time each stage of the plan "
+                   "on it and print estimate vs measured (writes OUT/measure.json)")
+    p.add_argument("--measure-seconds", type=float, default=3.0, help="calibration budget for --measure")
     p.add_argument("--out", help="output folder (a model-repository version folder); required unless --plan-only")
     p.add_argument("--plan-only", action="store_true",
                    help="plan and explain, but compile no artifacts (no ONNX export); with --out, write plan.json only")
     return p
+
+
+def _replan(args: argparse.Namespace, plan, host, card):
+    """The same model and choices planned for other specs (``--measure``'s estimate), same dense stages."""
+    from .compile import partition_builtin, partition_file
+    from .precision import apply_dense_precision
+    stages = len(plan.dense_stages()) if plan.strategy == "pipeline" else None
+    common = dict(cards=1 if stages is None else stages, card_spec=card, host_spec=host, batch_rows=args.batch_rows,
+                  table_precision=args.table_precision, strategy=plan.strategy, stages=stages,
+                  compile=args.dense_precision != "fp32")
+    if args.model:
+        _, replanned = partition_builtin(args.model, max_rows=args.max_rows, seed=args.seed, **common)
+    else:
+        replanned = partition_file(args.model_file, name=args.name, pooling=args.pooling, **common)
+    apply_dense_precision(replanned, args.dense_precision)
+    return replanned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out and not args.plan_only:
         err.print("sixfold-partition: --out DIR is required (or --plan-only)")
         return 2
-    if args.plan_only and (args.accuracy_report or args.dense_precision != "fp32"):
-        err.print("sixfold-partition: --plan-only compiles nothing, so it takes no --accuracy-report "
-                  "or --dense-precision")
+    if args.plan_only and (args.accuracy_report or args.dense_precision != "fp32" or args.measure):
+        err.print("sixfold-partition: --plan-only compiles nothing, so it takes no --accuracy-report, "
+                  "--measure or --dense-precision")
+        return 2
+    if args.stages is not None and args.strategy != "pipeline":
+        err.print(f"sixfold-partition: --stages {args.stages} needs --strategy pipeline")
         return 2
     try:
         with console.status(f"exporting and partitioning {args.model or args.model_file}..."):
@@ -80,12 +106,14 @@ def main(argv: list[str] | None = None) -> int:
                 _, partitioned = partition_builtin(
                     args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
                     card_spec=args.card_spec, host_spec=args.host_spec, batch_rows=args.batch_rows,
-                    table_precision=args.table_precision, strategy=args.strategy, compile=not args.plan_only)
+                    table_precision=args.table_precision, strategy=args.strategy, compile=not args.plan_only,
+                    stages=args.stages)
             else:
                 partitioned = partition_file(
                     args.model_file, name=args.name, cards=args.cards, card_spec=args.card_spec,
                     host_spec=args.host_spec, pooling=args.pooling, batch_rows=args.batch_rows,
-                    strategy=args.strategy, compile=not args.plan_only)
+                    strategy=args.strategy, compile=not args.plan_only, table_precision=args.table_precision,
+                    stages=args.stages)
             reference = None
             if args.accuracy_report:
                 from .accuracy import reference_artifacts
@@ -108,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             with console.status(f"scoring {args.accuracy_items} items for the accuracy report..."):
                 report = accuracy_report(reference, partitioned, partitioned.plan, items=args.accuracy_items,
                                          seed=args.seed + 1)
+        measured = None
+        if args.measure:
+            from .measure import measure_plan
+            with console.status("calibrating this host and timing each stage of the plan..."):
+                measured = measure_plan(partitioned, lambda host, card: _replan(args, partitioned.plan, host, card),
+                                        calibrate_seconds=args.measure_seconds, seed=args.seed + 7)
     except (KeyError, ValueError, MemoryError, FileNotFoundError, RuntimeError) as exc:
         err.print(f"[red]sixfold-partition: {exc.args[0] if exc.args else exc}[/]")
         return 2
@@ -115,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         print_accuracy(report, console)
         console.print(f"wrote {report.save(path.parent / 'accuracy.json')}")
+    if measured is not None:
+        from .measure import print_measure
+        print_measure(measured, console)
+        console.print(f"wrote {measured.save(path.parent / 'measure.json')}"
+                      + (" (table shards on cards not measured)" if args.sparse_on_cards else ""))
     if args.draw:
         from .draw import draw_partitioned
         drawn = draw_partitioned(partitioned, args.draw,

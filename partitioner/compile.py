@@ -140,7 +140,8 @@ def _estimate(plan_devices: list[DeviceInfo], placements, costs: dict[str, Parti
 
 def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedProgram, example: ExampleFn, *,
                     cards: list[DeviceSpec], host: DeviceSpec, tables: dict | None = None,
-                    strategy: str = "auto", batch_rows: int = 256, compile: bool = True) -> PartitionedModel:
+                    strategy: str = "auto", batch_rows: int = 256, compile: bool = True,
+                    stages: int | None = None) -> PartitionedModel:
     """Cut ``model`` into a host (sparse) and a dense partition and place them.
 
     ``compile=False`` plans only: the plan is complete (cut, costs, placement,
@@ -151,9 +152,13 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     used for export, for measuring FLOPs per item and for the ONNX export.
     ``strategy``: "replicate" the dense partition on every card, "pipeline" it
     in stages across cards, or "auto" (replicate when it fits a card).
+    ``stages``: the pipeline's stage count (needs ``strategy="pipeline"``; None: the
+    count with the highest throughput bound).
     """
     if strategy not in STRATEGIES:  # fail before the export, not after
         raise ValueError(f"unknown strategy {strategy!r}; available: {', '.join(STRATEGIES)}")
+    if stages is not None and strategy != "pipeline":
+        raise ValueError(f"a stage count ({stages}) needs strategy 'pipeline', not {strategy!r}")
     small, large = example(4), example(64)
     # An archive is already an export with the user's own dynamic shapes: cut it as it is.
     program = model if isinstance(model, torch.export.ExportedProgram) else export_model(
@@ -186,7 +191,8 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     requested, strategy = strategy, choose(strategy, dense_cost, card_infos)
     if strategy == "pipeline":
         try:
-            staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows, compile)
+            staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows, compile,
+                                      stages)
         except PlanError as exc:
             raise (auto_refusal(dense_cost, card_infos, exc) if requested == "auto" else exc) from None
         placements = staged.placements
@@ -259,10 +265,11 @@ class _Staged:
 
 def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], large_args: tuple[torch.Tensor, ...],
                      host_info: DeviceInfo, card_infos: list[DeviceInfo], batch_rows: int,
-                     compile: bool = True) -> _Staged:
+                     compile: bool = True, stages: int | None = None) -> _Staged:
     """Pick cut points (strategy.pipeline), cut the dense graph there (pipeline.split_stages), export each stage."""
     graph_costs = node_costs(split.dense, small_args, 4, large_args, 64)
-    choice = pipeline(HOST_PARTITION, DENSE_PARTITION, graph_costs, host_info, card_infos, batch_rows=batch_rows)
+    choice = pipeline(HOST_PARTITION, DENSE_PARTITION, graph_costs, host_info, card_infos, batch_rows=batch_rows,
+                      stages=stages)
     stages = split_stages(split.dense, choice.cuts, [SCORES])
     stage_inputs, final = run_stages(stages, dict(zip(split.dense_inputs, large_args)))
     bounds = [0, *choice.cuts, len(graph_costs.nodes)]
@@ -333,7 +340,8 @@ def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, preci
 def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, cards: int = 6,
                       card_spec: str | DeviceSpec = "m2-card", host_spec: str | DeviceSpec = "host-cpu",
                       batch_rows: int = 256, table_precision: str = "fp32",
-                      strategy: str = "auto", compile: bool = True) -> tuple[models.DLRM, PartitionedModel]:
+                      strategy: str = "auto", compile: bool = True,
+                      stages: int | None = None) -> tuple[models.DLRM, PartitionedModel]:
     """Build a zoo model and partition it onto ``cards`` identical cards plus the host.
 
     ``compile=False``: plan only, no ONNX export (see ``partition_model``).
@@ -349,18 +357,22 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
               "pooling": list(config.pooling), "zipf": config.zipf}
     partitioned = partition_model(name, model, builtin_example(config, seed), cards=[card] * cards,
                                   host=host, tables=tables, batch_rows=batch_rows, strategy=strategy,
-                                  compile=compile)
+                                  compile=compile, stages=stages)
     quantize_tables(partitioned, model, table_precision)
     return model, partitioned
 
 
 def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_spec: str | DeviceSpec = "m2-card",
                    host_spec: str | DeviceSpec = "host-cpu", pooling: int | None = None,
-                   batch_rows: int = 256, strategy: str = "auto", compile: bool = True) -> PartitionedModel:
+                   batch_rows: int = 256, strategy: str = "auto", compile: bool = True,
+                   table_precision: str = "fp32", stages: int | None = None) -> PartitionedModel:
     """Partition a ``torch.export`` archive (.pt2) or an ONNX file (.onnx) of a model taking the canonical request.
 
     ``pooling``: ids per (item, table) to trace or run the model with; None means
     1 for a .pt2 archive and "the first the model runs with" for ONNX.
+    ``table_precision``: every lookup's rows in fp32, fp16, int8 or int4
+    (``lookup_precision`` for a .pt2, ``onnx_precision`` for ONNX).
+    ``stages``: pipeline stage count (with ``strategy="pipeline"``; None: the best).
     """
     from pathlib import Path
 
@@ -372,12 +384,22 @@ def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_s
     host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
     if suffix == ".onnx":
         from .onnx_frontend import partition_onnx
-        return partition_onnx(path, cards=[card] * cards, host=host, name=name, pooling=pooling,
-                              strategy=strategy, batch_rows=batch_rows)
+        partitioned = partition_onnx(path, cards=[card] * cards, host=host, name=name, pooling=pooling,
+                                     strategy=strategy, batch_rows=batch_rows)
+        partitioned.plan.tables["fixed_pooling"] = True  # observed at one pooling: synthetic traffic keeps it
+        if table_precision != "fp32":
+            from .onnx_precision import quantize_onnx_lookups
+            quantize_onnx_lookups(partitioned, table_precision)
+        return partitioned
     module, example, tables = load_export_archive(path, pooling=pooling or 1)
     partitioned = partition_model(name or Path(path).stem, module, example, cards=[card] * cards, host=host,
-                                  tables=tables, batch_rows=batch_rows, strategy=strategy, compile=compile)
+                                  tables=tables, batch_rows=batch_rows, strategy=strategy, compile=compile,
+                                  stages=stages)
     _probe_rows(partitioned, pooling or 1)
+    partitioned.plan.tables["fixed_pooling"] = True  # traced at one pooling: synthetic traffic keeps it
+    if table_precision != "fp32":
+        from .lookup_precision import quantize_lookups
+        quantize_lookups(partitioned, table_precision)
     return partitioned
 
 

@@ -32,9 +32,33 @@ from models.signature import INDICES, LENGTHS
 from .graph_cut import _copy_attrs, _is_skippable
 from .sparse_dense import is_embedding_lookup
 
-__all__ = ["IdCheck", "LookupRange"]
+__all__ = ["IdCheck", "LookupRange", "row_gather"]
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+_ROW_GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)
+
+
+def row_gather(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(weight, ids) of a plain row gather on a module attribute: ``weight[ids]`` or ``index_select(weight, 0, ids)``.
+
+    Not an embedding lookup to the cut (it is no pooled bag), but a read of a table's rows all the same:
+    per-sample weights of an EmbeddingBag are usually ``psw_table[ids]``.
+    """
+    if node.op != "call_function" or node.target not in _ROW_GATHERS:
+        return None
+    weight = node.args[0]
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None
+    if node.target is torch.ops.aten.index.Tensor:
+        indices = node.args[1]
+        if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+            return None
+        return weight, indices[0]
+    if node.args[1] != 0 or not isinstance(node.args[2], fx.Node):
+        return None
+    return weight, node.args[2]
 
 
 @dataclass(frozen=True)
@@ -52,15 +76,29 @@ def _attr(module: torch.nn.Module, target: str):
     return value
 
 
-def _rows_of(module: fx.GraphModule, weight: object) -> int | None:
+def _rows_of(module: fx.GraphModule, weight: object, any_rank: bool = False) -> int | None:
     if not isinstance(weight, fx.Node):
         return None
     value = weight.meta.get("val")
     if value is None and weight.op == "get_attr":
         value = _attr(module, str(weight.target))
-    if isinstance(value, torch.Tensor) and value.dim() == 2:
+    if isinstance(value, torch.Tensor) and (value.dim() == 2 or (any_rank and value.dim() >= 1)):
         return int(value.shape[0])
     return None
+
+
+def _reads_input(ids: fx.Node) -> bool:
+    """Whether ``ids`` is computed from a graph input (the request), not only from constants."""
+    seen, stack = set(), [ids]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op == "placeholder":
+            return True
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 class IdCheck:
@@ -76,18 +114,22 @@ class IdCheck:
         """The check for ``host`` (taking ``input_names`` positionally); None when it has no checkable lookup."""
         graph = host.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        lookups = []
+        lookups = []  # (node, its ids node, its table's rows)
         for node in graph.nodes:
-            if not is_embedding_lookup(node) or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+            if is_embedding_lookup(node) and len(node.args) >= 2 and isinstance(node.args[1], fx.Node):
+                weight, ids = node.args[0], node.args[1]
+            elif (gathered := row_gather(node)) is not None:
+                weight, ids = gathered
+            else:
                 continue
-            rows = _rows_of(host, node.args[0])
-            if rows is not None:
-                lookups.append((node, rows))
+            rows = _rows_of(host, weight, any_rank=not is_embedding_lookup(node))
+            if rows is not None and _reads_input(ids):
+                lookups.append((node, ids, rows))
         # What computes each lookup's ids: ancestors, but never through a lookup (no table is kept).
         keep: set[fx.Node] = set()
         usable = []
-        for node, rows in lookups:
-            seen, stack, ok = set(), [node.args[1]], True
+        for node, ids, rows in lookups:
+            seen, stack, ok = set(), [ids], True
             while stack:
                 n = stack.pop()
                 if n in seen:
@@ -99,7 +141,7 @@ class IdCheck:
                 stack.extend(n.all_input_nodes)
             if ok:
                 keep |= seen
-                usable.append((node, rows))
+                usable.append((node, ids, rows))
         if not usable:
             return None
         checker = fx.Graph()
@@ -109,7 +151,7 @@ class IdCheck:
                 env[node] = checker.node_copy(node, lambda n: env[n])
             elif node in keep and not _is_skippable(node):
                 env[node] = checker.node_copy(node, lambda n: env[n])
-        checker.output(tuple(env[node.args[1]] for node, _ in usable))
+        checker.output(tuple(env[ids] for _, ids, _ in usable))
         root = torch.nn.Module()
         _copy_attrs(host, root, checker)
         if len(placeholders) != len(input_names):
@@ -122,7 +164,7 @@ class IdCheck:
                 out = module(*(torch.from_numpy(np.asarray(inputs[n])) for n in names))
             return [o.reshape(-1).numpy() for o in out]
 
-        return cls(run, [LookupRange(n.name, r) for n, r in usable])
+        return cls(run, [LookupRange(n.name, r) for n, _, r in usable])
 
     def _rows(self, inputs: Mapping[str, np.ndarray], ids: np.ndarray | None = None) -> list[np.ndarray]:
         return self.run(inputs if ids is None else {**inputs, INDICES: ids})

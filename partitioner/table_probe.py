@@ -18,6 +18,7 @@ from torch import fx
 
 from models.signature import DENSE, INDICES, LENGTHS
 
+from .id_check import row_gather
 from .sparse_dense import is_embedding_lookup
 
 __all__ = ["probe_table_rows"]
@@ -31,6 +32,11 @@ class _Probe(fx.Interpreter):
         self.reads: list[tuple[int, torch.Tensor]] = []
 
     def run_node(self, node: fx.Node):
+        if row_gather(node) is not None:  # weight[ids] (per-sample weights, say): read at id 0 while probing
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            if node.target is torch.ops.aten.index.Tensor:
+                return node.target(args[0], [torch.zeros_like(args[1][0])], **kwargs)
+            return node.target(args[0], args[1], torch.zeros_like(args[2]), **kwargs)
         if node.op == "call_function" and is_embedding_lookup(node):
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             weight, ids = args[0], args[1]
