@@ -68,6 +68,8 @@ _SLOT_OVERHEAD = 8 + 1 + 4  # owner row, reference bit, pin tick
 _INDEX_BYTES = 4
 READ_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """Upper bounds (seconds) of the read-time histogram: one batch's misses read together."""
+LOG_EVERY_BATCHES = 1000
+"""The hit rate is logged (INFO) every this many batches that read from disk."""
 
 
 def parse_bytes(text: str | int) -> int:
@@ -232,6 +234,7 @@ class TieredRows:
         self.hand = 0
         self.tick = 0
         self.stats = CacheStats()
+        self._logged = (0, 0, 0)  # batches, hits, misses when the hit rate was last logged
         self.lock = threading.Lock()
         """Held from ``lookup`` until the kernel has read ``data`` (another batch may evict)."""
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="table-io") if io_threads > 1 else None
@@ -329,7 +332,18 @@ class TieredRows:
         self.stats.batches += 1
         out[miss] = self.slots + miss_pos
         self._admit(uniq, staging, tick)
+        if self.stats.batches - self._logged[0] >= LOG_EVERY_BATCHES:
+            self._log_hit_rate()
         return out
+
+    def _log_hit_rate(self) -> None:
+        batches, hits, misses = self._logged
+        s = self.stats
+        window = (s.hits - hits) / max(1, s.hits - hits + s.misses - misses)
+        log.info("table cache (%s...): hit rate %.1f%% over the last %d batches, %.1f%% since start; %d of %d "
+                 "slots used, %d rows read in %.2f s", self.tables[0].path.parent, 100 * window, s.batches - batches,
+                 100 * s.hit_rate, self.cached_rows, self.slots, s.rows_read, s.read_seconds)
+        self._logged = (s.batches, s.hits, s.misses)
 
     def _read(self, uniq: np.ndarray, out: np.ndarray) -> None:
         start = time.perf_counter()
