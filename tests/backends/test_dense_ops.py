@@ -28,6 +28,8 @@ def test_the_op_list_and_the_docs_table_match_the_zoo_exported_now():
     assert inv == dense_ops(), f"{DENSE_OPS_FILE} is stale: run scripts/dense_ops.py"
     doc = (ROOT / "docs" / "backends.md").read_text()
     assert script.with_table(doc, table) == doc, "docs/backends.md's op table is stale: run scripts/dense_ops.py"
+    vendor = (ROOT / "docs" / "vendor.md").read_text()
+    assert script.with_summary(vendor, table) == vendor, "docs/vendor.md's op list is stale: run scripts/dense_ops.py"
     assert table == markdown_table(dense_ops())
     ops = {u["op"] for u in inv["ops"]}
     assert {"Gemm", "MatMul", "Relu", "Sigmoid", "Concat", "Gather", "Reshape", "Cast"} <= ops
