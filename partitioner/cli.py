@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.draw:
         from .draw import draw_partitioned
         drawn = draw_partitioned(partitioned, args.draw,
-                                 title=f"{partitioned.plan.model}: host (sparse) vs cards (dense)")
+                                 title=f"{partitioned.plan.model}: host (sparse) vs cards (dense), {partitioned.plan.strategy}")
         console.print(f"drew {drawn}")
     if args.plan_only:
         console.print(f"wrote {path} (plan only)" if path else "plan only: nothing written")
