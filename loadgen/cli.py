@@ -102,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a step with more failed requests than this fraction fails (default 0)")
     traces = p.add_argument_group("record, replay, export")
     traces.add_argument("--record", default=None, metavar="PATH",
-                        help="save what was sent, when and what came back to PATH (.npz; see docs)")
+                        help="save what was sent, when and what came back to PATH (.npz: the queries as their "
+                             "generator's seed and parameters, a few KB; see docs)")
     traces.add_argument("--replay", default=None, metavar="PATH",
-                        help="send a recorded run's tensors on its schedule (ignores --qps, --arrival, sizes)")
+                        help="send a recorded run's tensors on its schedule, for the model shape it recorded "
+                             "(ignores --qps, --arrival, sizes, --table-rows, --pooling, --dense-dim, --zipf)")
     traces.add_argument("--export-perf-analyzer", default=None, metavar="PATH",
                         help="write the queries as perf_analyzer --input-data JSON (first --max-requests, "
                              "else --pool of them) and exit")
