@@ -43,7 +43,8 @@ import numpy as np
 
 from .spec import DeviceSpec
 
-__all__ = ["calibrate_host", "measure_host", "main", "MATMUL_SHAPES", "GATHER_DIMS"]
+__all__ = ["calibrate_host", "measure_host", "main", "MATMUL_SHAPES", "GATHER_DIMS", "machine_key", "cache_dir",
+           "cached_host_spec", "auto_host_spec"]
 
 MATMUL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
     # (batch of products, m, k, n); batch 0 = one GEMM with constant (prepacked) weights [k, n].
@@ -338,6 +339,60 @@ def calibrate_host(seconds_budget: float = 10.0, *, threads: int | None = None, 
                       gather_bandwidth=m["gather_bandwidth"], per_id_seconds=m["per_id_seconds"],
                       per_index_seconds=m.get("per_index_seconds", 0.0),
                       per_op_seconds=m["per_op_seconds"], per_batch_seconds=m["per_batch_seconds"])
+
+
+def cache_dir() -> Path:
+    """Where per-machine calibrations live: $SIXFOLD_CACHE_DIR, else $XDG_CACHE_HOME/sixfold, else ~/.cache/sixfold."""
+    if os.environ.get("SIXFOLD_CACHE_DIR"):
+        return Path(os.environ["SIXFOLD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sixfold"
+
+
+def machine_key() -> str:
+    """Names this machine for the cache: host name, CPU model, CPU count and memory (a VM resized is a new one)."""
+    import hashlib
+    import platform
+
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{platform.node()}|{platform.machine()}|{model}|{os.cpu_count()}|{_host_memory_bytes()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cached_host_spec() -> Path | None:
+    """This machine's cached calibration (``auto_host_spec`` writes it), or None when there is none yet."""
+    path = cache_dir() / f"host-{machine_key()}.json"
+    return path if path.is_file() else None
+
+
+def auto_host_spec(seconds_budget: float | None = None) -> DeviceSpec:
+    """This machine as a host spec: the cached calibration, measured and cached on first use.
+
+    What ``--host-spec auto`` resolves to. The first call measures for ``seconds_budget``
+    (default $SIXFOLD_CALIBRATE_SECONDS, else 10 s) and says so on stderr; later calls read the file.
+    """
+    path = cached_host_spec()
+    if path is not None:
+        try:
+            return DeviceSpec.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):  # a stale or damaged file: measure again
+            pass
+    budget = seconds_budget or float(os.environ.get("SIXFOLD_CALIBRATE_SECONDS", "10"))
+    target = cache_dir() / f"host-{machine_key()}.json"
+    print(f"sixfold: calibrating this host once ({budget:g} s); cached in {target}", file=sys.stderr)
+    spec = calibrate_host(budget, name=f"host-auto-{machine_key()}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+    tmp.replace(target)  # NOTE: atomic, so two processes calibrating at once leave one whole file
+    return spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -155,7 +155,8 @@ def spec_names() -> list[str]:
 
 
 def load_spec(name_or_path: str | Path) -> DeviceSpec:
-    """A named spec (``m2-card``, or one a vendor package ships) or any JSON file by path.
+    """A named spec (``m2-card``, or one a vendor package ships), any JSON file by path, or ``auto``:
+    this host, calibrated on first use and cached per machine (``backends.calibrate.auto_host_spec``).
 
     A value ending in ``.json``, holding a path separator, or naming an
     existing file is a path; anything else is a name, looked up in
@@ -163,6 +164,9 @@ def load_spec(name_or_path: str | Path) -> DeviceSpec:
     entry points, the registered backends' ``devices()``).
     """
     text = str(name_or_path)
+    if text == "auto":  # this machine, calibrated once and cached (backends.calibrate.auto_host_spec)
+        from .calibrate import auto_host_spec
+        return auto_host_spec()
     path = Path(name_or_path)
     if not (text.endswith(".json") or "/" in text or "\\" in text or path.is_file()):
         from .spec_catalog import resolve_spec  # NOTE: lazy: the catalog imports the backend registry
