@@ -115,8 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         plat.add_argument("--card-spec", action="append", default=None, metavar="SPEC",
                           help="card spec name or JSON file (repeatable; default m2-card)")
         plat.add_argument("--host-spec", default=None,
-                          help="host spec name or JSON file (default: this machine's cached calibration when "
-                               "there is one, else host-cpu)")
+                          help="host spec name or JSON file (default auto: this machine, calibrated on first "
+                               "use and cached; host-cpu is a generic server host)")
         plat.add_argument("--host-memory-gib", type=float, default=None,
                           help="host DRAM to plan with, GiB (default: the host spec's)")
         plat.add_argument("--max-rows", type=int, default=None,
@@ -168,14 +168,7 @@ def _traffics(args: argparse.Namespace) -> list[Traffic]:
 
 
 def _host_spec(args: argparse.Namespace) -> str:
-    if args.host_spec:
-        return args.host_spec
-    try:
-        from backends.calibrate import cached_host_spec
-    except ImportError:  # pragma: no cover - older tree without the cache
-        return "host-cpu"
-    path = cached_host_spec()
-    return str(path) if path is not None else "host-cpu"
+    return args.host_spec or "auto"
 
 
 def _platform_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,7 +10,8 @@ model's. The loop is ``simulate.vloop.VirtualTimeLoop``, so every ``sleep``, tim
 timeout in that code takes simulated seconds and no real ones.
 
 The front end (gRPC decode, validation, encode) is one more FIFO server: each request
-costs ``Platform.per_request_s`` of the event loop before it is queued. Latency is
+costs ``Platform.per_request_s`` (plus ``per_item_s`` an item) of the event loop before it is
+queued. Latency is
 measured from the request's scheduled arrival, as ``sixfold-loadgen`` measures it.
 
 Not modelled: bytes-based admission (``max_queue_bytes``: batches carry no bytes here),
@@ -104,17 +105,20 @@ class RunResult:
         return out
 
 
-def _frontend(arrivals: np.ndarray, per_request_s: float, server: Server) -> np.ndarray:
-    """When each request reaches the batcher: a FIFO front end of ``per_request_s`` each (Lindley)."""
-    if per_request_s <= 0:
+def _frontend(arrivals: np.ndarray, items: np.ndarray, per_request_s: float, per_item_s: float,
+              server: Server) -> np.ndarray:
+    """When each request reaches the batcher: a FIFO front end of ``per_request_s + per_item_s x items``
+    each (Lindley's recursion)."""
+    if per_request_s <= 0 and per_item_s <= 0:
         return arrivals.copy()
     out = np.empty_like(arrivals)
     busy = -math.inf
     lo, hi = server.window
     busy_s = 0.0
+    cost = (per_request_s + per_item_s * items.astype(np.float64)).tolist()
     for i, t in enumerate(arrivals.tolist()):
         start = t if t > busy else busy
-        busy = start + per_request_s
+        busy = start + cost[i]
         out[i] = busy
         b = min(busy, hi) - max(start, lo)
         if b > 0:
@@ -161,7 +165,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
     window_end = float(arrivals.window_s)
     frontend = Server("frontend")
     frontend.window = (warmup_s, window_end)
-    enqueue_at = _frontend(due, platform.per_request_s, frontend)
+    enqueue_at = _frontend(due, arrivals.items, platform.per_request_s, platform.per_item_s, frontend)
     budget = max_events or EVENTS_PER_REQUEST * n + 100_000
     latency = np.full(n, np.nan)
     queue_s = np.full(n, np.nan)

@@ -32,7 +32,7 @@ from partitioner.plan import PartitionPlan
 from partitioner.strategy import ACTIVATION_HEADROOM
 from server.admission import PER_REQUEST_S
 
-__all__ = ["StageModel", "Platform", "build_platform", "resolve_spec", "PROBE_ROWS", "DENSE_PRECISIONS"]
+__all__ = ["StageModel", "MeasuredStage", "fit_stage", "Platform", "build_platform", "resolve_spec", "PROBE_ROWS", "DENSE_PRECISIONS"]
 
 PROBE_ROWS = 10_000
 """Rows per table of the model the plan and its costs are measured on."""
@@ -60,6 +60,26 @@ class StageModel:
 
 
 @dataclass(eq=False)
+class MeasuredStage(StageModel):
+    """A stage priced by a measured line, ``fixed_s + per_item_s x rows`` (``fit_stage``), not the cost model."""
+
+    fixed_s: float = 0.0
+    per_item_s: float = 0.0
+
+    def seconds(self, rows: int) -> float:
+        return self.fixed_s + self.per_item_s * rows
+
+
+def fit_stage(stage: StageModel, rows: list[int], seconds: list[float]) -> MeasuredStage:
+    """``stage`` repriced by the least-squares line through measured (rows, seconds) points."""
+    import numpy as np
+
+    slope, intercept = np.polyfit(np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float), 1)
+    return MeasuredStage(stage.name, stage.device, stage.cost, stage.in_per_item, stage.out_per_item,
+                         fixed_s=max(0.0, float(intercept)), per_item_s=max(0.0, float(slope)))
+
+
+@dataclass(eq=False)
 class Platform:
     """What a simulation runs: the plan, its stages' prices, and the facts capacity planning reports."""
 
@@ -83,6 +103,8 @@ class Platform:
     dense_precision: str = "fp32"
     per_request_s: float = PER_REQUEST_S
     """Serving cost of one request on the event loop (decode, validate, queue, encode)."""
+    per_item_s: float = 0.0
+    """Front-end cost per item of a request (the id checks of validation grow with the ids)."""
 
     @property
     def power_watts(self) -> float:

@@ -86,6 +86,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self._now
 
+    # NOTE: call_soon and call_at without the checks of the base loop (closed, thread, debug):
+    # the simulation makes a handful of these per request, and nothing else runs on this loop.
+    def call_soon(self, callback: Any, *args: Any, context: Any = None) -> asyncio.Handle:
+        handle = asyncio.Handle(callback, args, self, context)
+        self._ready.append(handle)  # type: ignore[attr-defined]
+        return handle
+
+    def get_debug(self) -> bool:
+        return False
+
     def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
         timer = asyncio.TimerHandle(when, callback, args, self, context)
         heapq.heappush(self._heap, (when, next(self._seq), timer))
