@@ -157,16 +157,21 @@ class HostEmbeddingStage:
         for t, a in enumerate(arrays):
             if a.ndim != 2 or a.shape[0] < 1:
                 raise ValueError(f"table {t}: expected a 2-D array with >= 1 row, got shape {a.shape}")
-        dims = {a.shape[1] for a in arrays}
-        if len(dims) != 1:
-            raise ValueError(f"tables differ in dim: {sorted(dims)}; all tables must share one dim")
-        self.dim = dims.pop()
-        self.table_rows = tuple(int(a.shape[0]) for a in arrays)
         precisions = [precision] * len(arrays) if isinstance(precision, str) else list(precision)
         if len(precisions) != len(arrays):
             raise ValueError(f"{len(precisions)} precisions given for {len(arrays)} tables")
         for p in precisions:
             _check_precision(p)
+        # NOTE: a uint8 table of an int8/int4 precision is already row-wise packed (written so by
+        # partitioner.table_build for tables too large to keep in fp32): its dim is the packed width's.
+        self.packed = frozenset(t for t, (a, p) in enumerate(zip(arrays, precisions))
+                                if a.dtype == np.uint8 and p in ("int8", "int4"))
+        dims = {_logical_dim(a.shape[1], precisions[t]) if t in self.packed else a.shape[1]
+                for t, a in enumerate(arrays)}
+        if len(dims) != 1:
+            raise ValueError(f"tables differ in dim: {sorted(dims)}; all tables must share one dim")
+        self.dim = dims.pop()
+        self.table_rows = tuple(int(a.shape[0]) for a in arrays)
         if "int4" in precisions and self.dim % 2:
             raise ValueError(f"int4 needs an even dim; tables have dim {self.dim}")
         self.precisions = tuple(precisions)
@@ -192,6 +197,8 @@ class HostEmbeddingStage:
     def _build_group(self, precision: str, members: list[int], arrays: list[np.ndarray],
                      files: list[Path]) -> _Group:
         offsets = np.concatenate([[0], np.cumsum([self.table_rows[t] for t in members])[:-1]]).tolist()
+        if len(members) == 1 and members[0] in self.packed:  # already in its precision's layout: map it
+            return _Group(precision, members, arrays[members[0]], offsets)
         if len(members) == 1 and precision == "fp32":
             a = arrays[members[0]]
             # NOTE: zero copy when the table is already C-contiguous fp32 (a memory map is).
@@ -239,8 +246,9 @@ class HostEmbeddingStage:
         paths: dict[str, list[Path]] = {}
         for p, tables in members.items():
             for t in tables:
-                path = files[t] if p == "fp32" else self.source / p / files[t].name
-                if p != "fp32" and not _fresh(path, [files[t]]):
+                own = p == "fp32" or t in self.packed
+                path = files[t] if own else self.source / p / files[t].name
+                if not own and not _fresh(path, [files[t]]):
                     self._convert(p, [np.load(files[t], mmap_mode="r")], path)
                 paths.setdefault(p, []).append(path)
         heads = {p: [open_table_file(f) for f in fs] for p, fs in paths.items()}
@@ -287,6 +295,11 @@ class HostEmbeddingStage:
         start = 0
         for a in parts:
             for lo in range(0, a.shape[0], _CHUNK_ROWS):
+                if a.dtype == np.uint8 and precision in ("int8", "int4"):  # packed already: copy the rows
+                    n = min(_CHUNK_ROWS, a.shape[0] - lo)
+                    out[start:start + n] = a[lo:lo + n]
+                    start += n
+                    continue
                 chunk = np.ascontiguousarray(a[lo:lo + _CHUNK_ROWS], dtype=np.float32)
                 n = chunk.shape[0]
                 if precision in ("fp32", "fp16"):
@@ -489,6 +502,11 @@ class HostEmbeddingStage:
             args = torch.from_numpy(np.asarray(sparse_lengths)), torch.from_numpy(np.asarray(sparse_indices))
         with torch.inference_mode():
             return self.forward(*args).numpy()
+
+
+def _logical_dim(width: int, precision: str) -> int:
+    """The dim of a packed row ``width`` bytes wide (int8: fp32 scale and bias; int4: fp16 ones)."""
+    return width - 8 if precision == "int8" else (width - 4) * 2
 
 
 def _kernel(precision: str, weight: Any, rows: Any, offsets: Any) -> Any:

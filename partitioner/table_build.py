@@ -51,17 +51,23 @@ def _progress(total_bytes: int, label: str, enabled: bool) -> tuple[Callable[[in
 
 
 def write_table(path: Path, rows: int, dim: int, chunks: Iterator[np.ndarray], *, precision: str = "fp32",
-                advance: Callable[[int], None] = lambda n: None) -> None:
+                packed_only: bool = False, advance: Callable[[int], None] = lambda n: None) -> None:
     """Write fp32 ``chunks`` (rows in order, ``rows`` in all) to ``path`` and, for another precision,
-    its row-wise quantized copy to ``path.parent / precision / path.name``. Atomic per file."""
+    its row-wise quantized copy to ``path.parent / precision / path.name``. Atomic per file.
+
+    ``packed_only`` (int8/int4): write only the packed rows, as ``path`` itself (uint8 rows; the
+    host stage serves them as they are): a table set whose fp32 form would not fit on the disk.
+    """
     from backends.host_embedding import bytes_per_row
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(rows, dim))
+    if packed_only and precision not in ("int8", "int4"):
+        raise ValueError(f"packed_only needs int8 or int4 rows, not {precision}")
+    out = None if packed_only else np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(rows, dim))
     qout = qtmp = qpath = None
     if precision != "fp32":
-        qpath = path.parent / precision / path.name
+        qpath = path if packed_only else path.parent / precision / path.name
         qpath.parent.mkdir(parents=True, exist_ok=True)
         qtmp = qpath.with_name(qpath.name + f".tmp{os.getpid()}")
         width = dim if precision == "fp16" else bytes_per_row(precision, dim)
@@ -70,14 +76,17 @@ def write_table(path: Path, rows: int, dim: int, chunks: Iterator[np.ndarray], *
     start = 0
     for chunk in chunks:
         n = chunk.shape[0]
-        out[start:start + n] = chunk
+        if out is not None:
+            out[start:start + n] = chunk
         if qout is not None:
             qout[start:start + n] = _quantize(chunk, precision)
         start += n
         advance(n * dim * 4)
         if start % (16 * _CHUNK_ROWS) < n:  # NOTE: written pages go to disk and leave the page cache
-            out.flush()
-            _drop(out)
+            for array in (out, qout):
+                if array is not None:
+                    array.flush()
+                    _drop(array)
     if start != rows:
         raise ValueError(f"{path}: {start} rows written, {rows} expected")
     for array, src, dst in ((out, tmp, path), (qout, qtmp, qpath)):
@@ -86,7 +95,7 @@ def write_table(path: Path, rows: int, dim: int, chunks: Iterator[np.ndarray], *
             _drop(array)
             del array
             os.replace(src, dst)  # type: ignore[arg-type]
-    if qpath is not None:
+    if qpath is not None and not packed_only:
         os.utime(qpath)  # newer than its source: the host stage uses it as is
 
 
@@ -125,8 +134,11 @@ def _uniform_chunks(rows: int, dim: int, seed: int, table: int) -> Iterator[np.n
 
 def build_streamed(name: str, out: str | Path, *, seed: int = 0, cards: int = 6, card_spec: str = "m2-card",
                    host_spec: str = "host-cpu", precision: str = "fp32", max_rows: int | None = None,
-                   progress: bool = True) -> Path:
-    """Partition built-in ``name`` with tables at full size (or ``max_rows``) written in chunks; returns plan.json."""
+                   packed_only: bool = False, progress: bool = True) -> Path:
+    """Partition built-in ``name`` with tables at full size (or ``max_rows``) written in chunks; returns plan.json.
+
+    ``packed_only``: int8/int4 tables written packed only, no fp32 copy (dlrm-mlperf int8: 25 GB, not 96).
+    """
     import models
 
     from .artifacts import write_artifacts
@@ -147,7 +159,7 @@ def build_streamed(name: str, out: str | Path, *, seed: int = 0, cards: int = 6,
     try:
         for t, r in enumerate(rows):
             write_table(tables / f"table_{t:03d}.npy", r, dim, _uniform_chunks(r, dim, seed, t),
-                        precision=precision, advance=advance)
+                        precision=precision, packed_only=packed_only, advance=advance)
     finally:
         stop()
     return _finish_plan(out, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
@@ -236,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True, help="version folder, e.g. repo/rm2/1")
     b.add_argument("--max-rows", type=int, default=None, help="cap every table at R rows (default: full size)")
     b.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    b.add_argument("--packed-only", action="store_true",
+                   help="int8/int4: write only the packed rows (no fp32 copy on disk)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--cards", type=int, default=6)
     b.add_argument("--card-spec", default="m2-card")
@@ -248,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "build":
         path = build_streamed(args.model, args.out, seed=args.seed, cards=args.cards, card_spec=args.card_spec,
-                              host_spec=args.host_spec, precision=args.table_precision, max_rows=args.max_rows)
+                              host_spec=args.host_spec, precision=args.table_precision, max_rows=args.max_rows,
+                              packed_only=args.packed_only)
         print(f"wrote {path}")
     else:
         done = import_tables(args.source, args.out, keys=args.keys.split(",") if args.keys else None,

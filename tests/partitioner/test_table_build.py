@@ -53,3 +53,23 @@ def test_import_user_tables(tmp_path, monkeypatch, form):
     for t in range(3):
         np.testing.assert_array_equal(np.load(tmp_path / "v1" / "tables" / f"table_{t:03d}.npy"),
                                       bags[t].weight.detach().numpy())
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_packed_only_tables_serve_like_quantized_fp32(tmp_path, precision):
+    """int8/int4 rows written packed (no fp32 on disk) give the sums the fp32 source would, resident or tiered."""
+    full = tmp_path / "full"
+    packed = tmp_path / "packed"
+    for t in range(3):
+        chunks = list(table_build._uniform_chunks(400, 16, 0, t))
+        table_build.write_table(full / f"table_{t:03d}.npy", 400, 16, iter(chunks))
+        table_build.write_table(packed / f"table_{t:03d}.npy", 400, 16, iter(chunks), precision=precision,
+                                packed_only=True)
+    assert np.load(packed / "table_000.npy", mmap_mode="r").dtype == np.uint8
+    lengths = np.full((5, 3), 4, np.int32)
+    ids = np.random.default_rng(0).integers(0, 400, 60)
+    want = HostEmbeddingStage(full, precision, cache=False).run_numpy(lengths, ids)
+    for stage in (HostEmbeddingStage(packed, precision), HostEmbeddingStage(packed, precision, layout="per-table"),
+                  HostEmbeddingStage(packed, precision, table_memory=0.7, item_ids=12)):
+        assert stage.dim == 16
+        np.testing.assert_array_equal(stage.run_numpy(lengths, ids), want)
