@@ -65,7 +65,7 @@ def test_unreachable_server_exits_1_after_wait_ready(tmp_path, capsys):
     started = time.monotonic()
     argv = args(f"127.0.0.1:{free_port()}", tmp_path / "r.json") + ["--wait-ready", "0.5"]
     assert main(argv) == 1
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 15.0  # gives up after --wait-ready, not after loadgen's default wait
     err = capsys.readouterr().err.strip()
     assert "cannot reach a KServe v2 server" in err and "\n" not in err and "Traceback" not in err
 
