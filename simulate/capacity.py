@@ -73,14 +73,15 @@ class CardsAnswer:
 
 
 def run_at(platform: Platform, traffic: Traffic, rate: float | None, *, duration_s: float, warmup_s: float,
-           settings: ServingSettings, seed: int = 0, progress: Callable[[float, float], None] | None = None) -> RunResult:
+           settings: ServingSettings, seed: int = 0, progress: Callable[[float, float], None] | None = None,
+           jobs: int = 1) -> RunResult:
     """One simulated run of ``duration_s`` measured seconds after ``warmup_s`` at ``rate`` queries/s."""
     if not duration_s > 0:
         raise ValueError(f"--duration must be > 0 s, got {duration_s}")
     if not warmup_s >= 0:
         raise ValueError(f"--warmup must be >= 0 s, got {warmup_s}")
     arrivals = traffic.draw(rate, warmup_s + duration_s, platform.ids_per_item, seed)
-    return simulate(platform, arrivals, settings=settings, warmup_s=warmup_s, progress=progress)
+    return simulate(platform, arrivals, settings=settings, warmup_s=warmup_s, progress=progress, jobs=jobs)
 
 
 def lone_query_ms(platform: Platform, items: int, settings: ServingSettings) -> float:
@@ -101,14 +102,14 @@ def _passes(result: RunResult, bound_ms: float, max_error_rate: float) -> bool:
 
 def latency_curve(platform: Platform, traffic: Traffic, rates: Sequence[float], *, duration_s: float,
                   warmup_s: float, settings: ServingSettings, seed: int = 0,
-                  progress: Progress | None = None) -> list[RunResult]:
+                  progress: Progress | None = None, jobs: int = 1) -> list[RunResult]:
     """One run per rate, in order."""
     out = []
     for rate in rates:
         if progress:
             progress(f"{platform.label}: {rate:,.0f} q/s")
         out.append(run_at(platform, traffic, rate, duration_s=duration_s, warmup_s=warmup_s, settings=settings,
-                          seed=seed))
+                          seed=seed, jobs=jobs))
     return out
 
 
@@ -126,7 +127,7 @@ def check_bound(platform: Platform, traffic: Traffic, p99_ms: float, settings: S
 
 def max_rate(platform: Platform, traffic: Traffic, p99_ms: float, *, duration_s: float, warmup_s: float,
              settings: ServingSettings, seed: int = 0, tolerance: float = 0.02, max_steps: int = 14,
-             max_error_rate: float = 0.0, progress: Progress | None = None) -> MaxRate:
+             max_error_rate: float = 0.0, progress: Progress | None = None, jobs: int = 1) -> MaxRate:
     """Bisect the rate at which p99 reaches ``p99_ms`` (see the module docstring)."""
     lone = check_bound(platform, traffic, p99_ms, settings)
     capacity = platform.throughput_items_per_s() / traffic.mean_items(seed)
@@ -138,7 +139,7 @@ def max_rate(platform: Platform, traffic: Traffic, p99_ms: float, *, duration_s:
         if progress:
             progress(f"{platform.label}: trying {rate:,.1f} q/s")
         result = run_at(platform, traffic, rate, duration_s=duration_s, warmup_s=warmup_s, settings=settings,
-                        seed=seed)
+                        seed=seed, jobs=jobs)
         ok = _passes(result, p99_ms, max_error_rate)
         answer.steps.append(Step(rate, ok, result))
         if ok and rate > answer.max_qps:
@@ -160,7 +161,8 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
                  table_precision: str = "fp32", dense_precision: str = "fp32", max_cards: int = 16,
                  max_rows: int | None = None, host_memory_bytes: int | None = None, duration_s: float,
                  warmup_s: float, settings: ServingSettings, seed: int = 0, max_error_rate: float = 0.0,
-                 per_request_s: float | None = None, progress: Progress | None = None) -> CardsAnswer:
+                 per_request_s: float | None = None, progress: Progress | None = None,
+                 jobs: int = 1) -> CardsAnswer:
     """Binary search over 1..``max_cards`` for the fewest cards whose run at ``qps`` passes."""
     if not (qps > 0 and math.isfinite(qps)):
         raise ValueError(f"--qps must be > 0, got {qps}")
@@ -178,7 +180,8 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
         p = platform(cards)
         if progress:
             progress(f"{p.label} ({table_precision}/{dense_precision}) at {qps:,.0f} q/s")
-        result = run_at(p, traffic, qps, duration_s=duration_s, warmup_s=warmup_s, settings=settings, seed=seed)
+        result = run_at(p, traffic, qps, duration_s=duration_s, warmup_s=warmup_s, settings=settings, seed=seed,
+                        jobs=jobs)
         answer.tried[cards] = result
         return _passes(result, p99_ms, max_error_rate)
 

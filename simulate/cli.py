@@ -149,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
         traffic.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (virtual; default 10)")
         traffic.add_argument("--warmup", type=float, default=1.0, help="virtual seconds before measuring (default 1)")
         traffic.add_argument("--seed", type=int, default=0)
+        traffic.add_argument("--jobs", type=int, default=1,
+                             help="simulate each run's window in this many consecutive segments at once, one process "
+                                  "each (time-parallel; segments overlap by 2 s; default 1)")
         _add_serve_flags(c.add_argument_group("scheduling (sixfold-serve's flags and defaults)"))
         out = c.add_argument_group("output")
         out.add_argument("--json", help="write the results as JSON here")
@@ -233,7 +236,7 @@ def _run(args: argparse.Namespace, console: Console, settings: ServingSettings) 
                                       dense_precision=dp, **kw)
             label = _label(platform, tp, dp, traffic, len(combos))
             runs = latency_curve(platform, traffic, rates, duration_s=args.duration, warmup_s=args.warmup,
-                                 settings=settings, seed=args.seed, progress=bar.note)
+                                 settings=settings, seed=args.seed, progress=bar.note, jobs=args.jobs)
             curves.append((label, runs))
             rows.extend((label, r) for r in runs)
             payload.append({"platform": platform.describe(), "traffic": traffic.label,
@@ -257,7 +260,8 @@ def _max_qps(args: argparse.Namespace, console: Console, settings: ServingSettin
                                       dense_precision=dp, **kw)
             label = _label(platform, tp, dp, traffic, len(combos))
             m = max_rate(platform, traffic, args.p99_ms, duration_s=args.duration, warmup_s=args.warmup,
-                         settings=settings, seed=args.seed, max_error_rate=args.max_error_rate, progress=bar.note)
+                         settings=settings, seed=args.seed, max_error_rate=args.max_error_rate, progress=bar.note,
+                         jobs=args.jobs)
             rows.append((label, m))
             payload.append({"platform": platform.describe(), "traffic": traffic.label, "max_qps": m.max_qps,
                             "watts": platform.power_watts, "lone_query_ms": m.lone_ms,
@@ -282,7 +286,7 @@ def _capacity(args: argparse.Namespace, console: Console, settings: ServingSetti
             a = fewest_cards(args.model, traffic, args.qps, args.p99_ms, card_spec=spec, table_precision=tp,
                              dense_precision=dp, max_cards=args.max_cards, duration_s=args.duration,
                              warmup_s=args.warmup, settings=settings, seed=args.seed,
-                             max_error_rate=args.max_error_rate, progress=bar.note,
+                             max_error_rate=args.max_error_rate, progress=bar.note, jobs=args.jobs,
                              **{k: v for k, v in kw.items()})
             answers.append((traffic.label, a))
             payload.append({"card_spec": spec, "table_precision": tp, "dense_precision": dp, "traffic": traffic.label,
@@ -302,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         settings = serving_settings(args)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         command = {"run": _run, "max-qps": _max_qps, "capacity": _capacity}[args.command]
         payload = command(args, console, settings)
     except (ValueError, FileNotFoundError) as exc:  # ImpossibleTarget too: its message names the flag

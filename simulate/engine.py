@@ -43,6 +43,8 @@ from .vloop import run_virtual
 
 __all__ = ["ServingSettings", "RunResult", "simulate", "EVENTS_PER_REQUEST"]
 
+MIN_PARALLEL_REQUESTS = 20_000
+"""Below this many requests one process is faster than starting several."""
 EVENTS_PER_REQUEST = 400
 """Event budget per request (a request takes ~10-40 loop callbacks); past it the run stops."""
 
@@ -95,13 +97,18 @@ class RunResult:
     wall_s: float = 0.0
     """Real seconds the simulation took."""
     latencies_s: np.ndarray | None = field(default=None, repr=False)
+    """Latency of each measured request, seconds (NaN: refused or failed)."""
+    queue_s: np.ndarray | None = field(default=None, repr=False)
+    queue_lengths: np.ndarray | None = field(default=None, repr=False)
+    jobs: int = 1
+    """Processes that simulated it (``simulate``'s ``jobs``)."""
 
     @property
     def error_rate(self) -> float:
         return sum(self.errors.values()) / self.requests if self.requests else 0.0
 
     def summary(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "latencies_s"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("latencies_s", "queue_s", "queue_lengths")}
         return out
 
 
@@ -132,31 +139,26 @@ def _last(arrive: Callable[[int], None], i: int, woken: asyncio.Future) -> None:
     woken.set_result(None)
 
 
-class _Counter:
-    """Counts the batches the batcher forms (wraps ``PlanRuntime.run``)."""
-
-    def __init__(self, runtime: PlanRuntime) -> None:
-        self.runtime = runtime
-        self.batches = self.rows = 0
-
-    async def run(self, inputs: dict, info: Any) -> dict:
-        self.batches += 1
-        self.rows += info.rows
-        return await self.runtime.run(inputs, info)
-
-
 def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSettings = ServingSettings(),
              warmup_s: float = 0.0, progress: Callable[[float, float], None] | None = None,
-             max_events: int | None = None) -> RunResult:
+             max_events: int | None = None, jobs: int = 1, overlap_s: float = 2.0) -> RunResult:
     """Run ``arrivals`` through the platform; statistics over those due at or after ``warmup_s``.
 
     ``progress(virtual_now, virtual_end)`` is called every few thousand requests. The run is
     bounded: ``max_events`` loop callbacks (default ``EVENTS_PER_REQUEST`` per request) and a
     virtual time of the traffic's span plus 10 minutes; past either it raises
     ``simulate.vloop.SimulationLimit``.
+
+    ``jobs`` > 1 cuts the measured window into that many consecutive segments simulated at once
+    in as many processes (time-parallel simulation): each segment starts ``overlap_s`` earlier
+    than it measures, so its queues are warm, and the measured requests are merged. Not
+    bit-identical to one process (a segment forgets what queued more than ``overlap_s`` before
+    it), but the same system on the same arrivals; deterministic for a given ``jobs``.
     """
     import time
 
+    if jobs > 1 and len(arrivals) >= MIN_PARALLEL_REQUESTS:
+        return _parallel(platform, arrivals, settings, warmup_s, jobs, overlap_s)
     n = len(arrivals)
     if n == 0:
         raise ValueError("no requests to simulate: the traffic drew none (raise --duration or the rate)")
@@ -190,17 +192,16 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
                               card_timeout_floor_s=settings.card_timeout_floor_s, host_dense=host_dense,
                               host_dense_max_rows=settings.host_dense_max_rows if host_dense else 0,
                               max_inline_s=0.0, clock=loop.time)
-        counter = _Counter(runtime)
         batching = settings.batching
         inflight = batching.max_inflight_batches or len(lanes) + 1
-        batcher = DynamicBatcher(counter.run, batching, max_inflight=inflight, clock=loop.time,
+        batcher = DynamicBatcher(runtime.run, batching, max_inflight=inflight, clock=loop.time,
                                  cost=PlanCost.from_plan(platform.plan) if platform.plan is not None else None,
                                  trim=None)
-        state.update(host=host, lanes=lanes, host_dense=host_dense, runtime=runtime, counter=counter)
+        state.update(host=host, lanes=lanes, host_dense=host_dense, runtime=runtime)
         outstanding = [0]
         finished = loop.create_future()
         requests: dict[tuple[int, int], dict] = {}
-        rows_of, ids_of = arrivals.items, arrivals.ids
+        rows_of, ids_of, due_at = arrivals.items.tolist(), arrivals.ids.tolist(), due.tolist()
 
         def answered(i: int, item: Any, future: asyncio.Future) -> None:
             outstanding[0] -= 1
@@ -209,7 +210,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
             else:
                 exc = future.exception()
                 if exc is None:
-                    latency[i] = loop.time() - due[i]
+                    latency[i] = loop.time() - due_at[i]
                     if item.info is not None:
                         queue_s[i] = item.info.queue_s
                 else:
@@ -222,7 +223,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
         enqueue = batcher.enqueue
 
         def arrive(i: int) -> None:
-            rows, ids = int(rows_of[i]), int(ids_of[i])
+            rows, ids = rows_of[i], ids_of[i]
             inputs = requests.get((rows, ids))
             if inputs is None:
                 inputs = requests[(rows, ids)] = {DENSE: empty_rows(rows), INDICES: empty_rows(ids, "int64")}
@@ -286,7 +287,7 @@ def _result(arrivals: Arrivals, due: np.ndarray, warmup_s: float, latency: np.nd
     for lane in lanes:
         for server in lane.servers:
             util[server.name] = server.busy_s / window
-    counter, runtime = state["counter"], state["runtime"]
+    runtime = state["runtime"]
     items = arrivals.items[mask]
     answered_items = float(items[ok].sum())
     end = max(float(state.get("end", arrivals.window_s)), float(arrivals.window_s))
@@ -296,9 +297,77 @@ def _result(arrivals: Arrivals, due: np.ndarray, warmup_s: float, latency: np.nd
         latency_ms=lat, queue_ms=qp,
         queue_len={"mean": float(ql.mean()) if ql.size else 0.0,
                    "p99": float(np.percentile(ql, 99)) if ql.size else 0.0, "max": int(ql.max()) if ql.size else 0},
-        utilisation={k: round(v, 4) for k, v in util.items()}, batches=counter.batches,
-        mean_batch_rows=counter.rows / counter.batches if counter.batches else 0.0,
+        utilisation={k: round(v, 4) for k, v in util.items()}, batches=host.server.batches,
+        mean_batch_rows=host.server.rows / host.server.batches if host.server.batches else 0.0,
         host_dense_batches=host_dense.server.batches if host_dense is not None else 0,
         card_batches=sum(lane.servers[0].batches for lane in lanes), hedges=runtime.hedges, items_per_s=answered_items / span,
         achieved_qps=float(ok.sum()) / span, virtual_s=end, events=int(state.get("events", 0)), wall_s=wall_s,
-        latencies_s=latency[mask])
+        latencies_s=latency[mask], queue_s=queue_s[mask], queue_lengths=ql)
+
+
+_JOB: dict[str, Any] = {}
+
+
+def _segment(k: int) -> RunResult:
+    job = _JOB
+    return simulate(job["platform"], job["segments"][k][0], settings=job["settings"], warmup_s=job["segments"][k][1])
+
+
+def _parallel(platform: Platform, arrivals: Arrivals, settings: ServingSettings, warmup_s: float, jobs: int,
+              overlap_s: float) -> RunResult:
+    """``simulate`` over ``jobs`` consecutive segments in parallel processes, merged (see its docstring)."""
+    import multiprocessing
+    import time
+
+    started = time.perf_counter()
+    end = float(arrivals.window_s)
+    bounds = np.linspace(warmup_s, end, jobs + 1)
+    segments = []
+    for k in range(jobs):
+        lo = 0.0 if k == 0 else max(0.0, bounds[k] - overlap_s)
+        keep = (arrivals.offsets >= lo) & (arrivals.offsets < bounds[k + 1])
+        part = Arrivals(arrivals.offsets[keep], arrivals.items[keep], arrivals.ids[keep], arrivals.rate,
+                        float(bounds[k + 1]))
+        segments.append((part, float(bounds[k])))
+    _JOB.update(platform=platform, settings=settings, segments=segments)
+    try:
+        # NOTE: fork: the children inherit the platform (its plan and prices) and run no torch code.
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            parts = pool.map(_segment, range(jobs))
+    finally:
+        _JOB.clear()
+    return _merge(parts, arrivals, warmup_s, time.perf_counter() - started)
+
+
+def _merge(parts: list[RunResult], arrivals: Arrivals, warmup_s: float, wall_s: float) -> RunResult:
+    window = float(arrivals.window_s) - warmup_s
+    latency = np.concatenate([p.latencies_s for p in parts])
+    queue = np.concatenate([p.queue_s for p in parts])
+    lengths = np.concatenate([p.queue_lengths for p in parts])
+    ok = ~np.isnan(latency)
+    errors: dict[str, int] = {}
+    for p in parts:
+        for reason, count in p.errors.items():
+            errors[reason] = errors.get(reason, 0) + count
+    lat = percentiles(latency[ok], scale=1e3)
+    lat["mean"] = float(latency[ok].mean() * 1e3) if ok.any() else None
+    q = queue[~np.isnan(queue)]
+    qp = percentiles(q, {"p50": 50, "p99": 99}, scale=1e3)
+    qp["mean"] = float(q.mean() * 1e3) if q.size else None
+    util = {name: round(sum(p.utilisation[name] * p.duration_s for p in parts) / window, 4)
+            for name in parts[0].utilisation}
+    batches = sum(p.batches for p in parts)
+    items = arrivals.items[arrivals.offsets >= warmup_s]
+    return RunResult(
+        rate=arrivals.rate, duration_s=window, requests=int(latency.size), ok=int(ok.sum()), errors=errors,
+        latency_ms=lat, queue_ms=qp,
+        queue_len={"mean": float(lengths.mean()) if lengths.size else 0.0,
+                   "p99": float(np.percentile(lengths, 99)) if lengths.size else 0.0,
+                   "max": int(lengths.max()) if lengths.size else 0},
+        utilisation=util, batches=batches,
+        mean_batch_rows=sum(p.mean_batch_rows * p.batches for p in parts) / batches if batches else 0.0,
+        host_dense_batches=sum(p.host_dense_batches for p in parts), card_batches=sum(p.card_batches for p in parts),
+        hedges=sum(p.hedges for p in parts), items_per_s=float(items[ok].sum()) / window,
+        achieved_qps=float(ok.sum()) / window, virtual_s=max(p.virtual_s for p in parts),
+        events=sum(p.events for p in parts), wall_s=wall_s, latencies_s=latency, queue_s=queue,
+        queue_lengths=lengths, jobs=len(parts))
