@@ -54,7 +54,7 @@ import numpy as np
 
 from . import pread
 
-__all__ = ["TieredRows", "TableFile", "TableMemoryError", "TableReadError", "TooManyMisses", "CacheStats",
+__all__ = ["TieredRows", "RowOverlay", "TableFile", "TableMemoryError", "TableReadError", "TooManyMisses", "CacheStats",
            "parse_bytes", "parse_table_memory", "open_table_file", "POLICIES", "READ_BUCKETS"]
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,8 @@ class TieredRows:
         self.tick = 0
         self.stats = CacheStats()
         self._logged = (0, 0, 0)  # batches, hits, misses when the hit rate was last logged
+        self.overlay: RowOverlay | None = None
+        """Rows replaced by table deltas (``backends.row_updates``): read from the overlay, not the files."""
         self.lock = threading.Lock()
         """Held from ``lookup`` until the kernel has read ``data`` (another batch may evict)."""
         self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="table-io") if io_threads > 1 else None
@@ -345,7 +347,34 @@ class TieredRows:
                  100 * s.hit_rate, self.cached_rows, self.slots, s.rows_read, s.read_seconds)
         self._logged = (s.batches, s.hits, s.misses)
 
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (ascending, distinct) as served now: the overlay's or the files' (not the cache's: equal)."""
+        out = np.empty((rows.shape[0], self.width), self.dtype)
+        self._read(np.asarray(rows, np.int64), out)
+        return out
+
+    def replace_rows(self, rows: np.ndarray, values: np.ndarray, overlay: RowOverlay) -> None:
+        """Serve ``values`` for ``rows`` from now on (``overlay`` holds them); hold ``lock``, between batches."""
+        self.overlay = overlay
+        slots = self.index[rows]
+        cached = slots >= 0
+        self.data[slots[cached]] = values[cached]
+
     def _read(self, uniq: np.ndarray, out: np.ndarray) -> None:
+        overlay = self.overlay
+        if overlay is not None and overlay.rows.shape[0]:
+            mine = overlay.holds(uniq)
+            if mine.any():
+                overlay.gather(uniq[mine], out, np.flatnonzero(mine))
+                rest = np.flatnonzero(~mine)
+                if rest.shape[0]:
+                    scratch = np.empty((rest.shape[0], self.width), self.dtype)
+                    self._read_files(uniq[rest], scratch)
+                    out[rest] = scratch
+                return
+        self._read_files(uniq, out)
+
+    def _read_files(self, uniq: np.ndarray, out: np.ndarray) -> None:
         start = time.perf_counter()
         bounds = np.searchsorted(uniq, self.table_starts)
         jobs = []
@@ -437,6 +466,47 @@ class TieredRows:
             scanned += end
             self.hand = (lo + end) % self.slots
         return np.concatenate(found) if found else np.empty(0, np.int64)
+
+
+class RowOverlay:
+    """Rows that replace some of a store's rows on disk: sorted global rows -> (source array, row in it).
+
+    Immutable: ``merged`` returns a new overlay (newer rows win), so a swap is one assignment.
+    Sources are arrays backed by files beside the version (memory maps of the rows as stored).
+    """
+
+    def __init__(self, rows: np.ndarray, source: np.ndarray, position: np.ndarray, sources: list[np.ndarray]) -> None:
+        self.rows, self.source, self.position, self.sources = rows, source, position, sources
+
+    @classmethod
+    def empty(cls) -> "RowOverlay":
+        return cls(np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64), [])
+
+    def merged(self, rows: np.ndarray, values: np.ndarray) -> "RowOverlay":
+        """This overlay with ``rows`` (global) now read from ``values`` (row i of it for rows[i])."""
+        rows = np.asarray(rows, np.int64)
+        all_rows = np.concatenate([self.rows, rows])
+        source = np.concatenate([self.source, np.full(rows.shape[0], len(self.sources), np.int32)])
+        position = np.concatenate([self.position, np.arange(rows.shape[0], dtype=np.int64)])
+        age = np.concatenate([np.zeros(self.rows.shape[0], np.int8), np.ones(rows.shape[0], np.int8)])
+        order = np.lexsort((age, all_rows))  # by row, the newer last
+        all_rows, source, position = all_rows[order], source[order], position[order]
+        keep = np.ones(all_rows.shape[0], bool)
+        keep[:-1] = all_rows[1:] != all_rows[:-1]
+        return RowOverlay(all_rows[keep], source[keep], position[keep], [*self.sources, values])
+
+    def holds(self, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` the overlay replaces (a bool mask)."""
+        at = np.minimum(np.searchsorted(self.rows, rows), self.rows.shape[0] - 1)
+        return self.rows[at] == rows
+
+    def gather(self, rows: np.ndarray, out: np.ndarray, where: np.ndarray) -> None:
+        """``out[where[i]]`` = the overlay's row ``rows[i]`` (every row held)."""
+        at = np.searchsorted(self.rows, rows)
+        src, pos = self.source[at], self.position[at]
+        for s in np.unique(src).tolist():
+            mine = src == s
+            out[where[mine]] = self.sources[s][pos[mine]]
 
 
 def _is_direct(fd: int) -> bool:
