@@ -13,11 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.signature import INDICES, LENGTHS
-
 from .checksums import table_checksums
 from .compile import HOST_PARTITION, PartitionedModel
 from .host_export import export_host_program
+from .table_probe import table_batched
 
 __all__ = ["write_artifacts"]
 
@@ -40,17 +39,14 @@ def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
     host_module = partitioned.split.host  # the fp32 tables; other precisions are derived at load
     rows = plan.tables.get("rows")
     host_artifact = partitioned.artifacts[HOST_PARTITION]
-    weights = {**dict(host_module.named_parameters()), **dict(host_module.named_buffers())}
-    fused = [n for n, t in weights.items() if n.endswith("weight") and rows and t.shape[0] == sum(rows)]
-    if host_artifact.format == "tables" or (len(fused) == 1 and len(host_artifact.output_names) == 1
-                                            and list(host_artifact.input_names) == [LENGTHS, INDICES]):
+    # NOTE: a user's host graph is written as tables only if it computes what the tables backend does.
+    tables = None if host_artifact.format == "tables" else table_batched(
+        host_module, host_artifact.input_names, host_artifact.output_names, rows)
+    if host_artifact.format == "tables" or tables is not None:
         # One table-batched lookup: one file per table, so a table can be mapped, sharded or replaced alone.
         (out / "tables").mkdir(parents=True, exist_ok=True)
-        array = weights[fused[0]].detach().cpu().numpy()
-        start = 0
-        for t, count in enumerate(rows):
-            np.save(out / "tables" / f"table_{t:03d}.npy", array[start:start + count])
-            start += count
+        for t, table in enumerate(tables if tables is not None else _fused_tables(host_module, rows)):
+            np.save(out / "tables" / f"table_{t:03d}.npy", table)
         plan.partition(HOST_PARTITION).artifact = "tables/"
         plan.partition(HOST_PARTITION).format = "tables"
         plan.tables["checksums"] = table_checksums(out / "tables")  # checked at load (partitioner.checksums)
@@ -62,3 +58,12 @@ def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
     path = out / "plan.json"
     plan.save(path)
     return path
+
+
+def _fused_tables(host_module, rows) -> list[np.ndarray]:
+    """The per-table views of a table-batched host stage's one [sum(rows), dim] weight (the zoo's)."""
+    weights = {**dict(host_module.named_parameters()), **dict(host_module.named_buffers())}
+    fused = [t for n, t in weights.items() if n.endswith("weight") and t.shape[0] == sum(rows)]
+    array = fused[0].detach().cpu().numpy()
+    starts = np.cumsum([0, *rows])
+    return [array[a:b] for a, b in zip(starts[:-1], starts[1:])]

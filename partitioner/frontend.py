@@ -112,8 +112,11 @@ def retrace_dynamic(program: torch.export.ExportedProgram, where: str = "model")
     shapes = _input_shapes(program)
     module = program.module()
     # NOTE: the unlifted module re-checks the example's shapes in a guard call; drop it, the re-export guards anew.
-    for node in [n for n in module.graph.nodes if n.op == "call_module" and str(n.target).startswith("_guards_fn")]:
+    # So do its runtime asserts on data-dependent sizes (u0 == 21: a repeat_interleave of the example's ids).
+    for node in [n for n in module.graph.nodes if (n.op == "call_module" and str(n.target).startswith("_guards_fn"))
+                 or (n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default)]:
         module.graph.erase_node(node)
+    module.graph.eliminate_dead_code()
     module.recompile()
     user = [s.arg.name for s in program.graph_signature.input_specs
             if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]

@@ -354,16 +354,23 @@ def shard_tables(partitioned: "PartitionedModel", mode: ShardMode) -> ShardPlan:
     tables). Each card keeps its dense work's weights x ACTIVATION_HEADROOM;
     the rest of its memory is for table shards.
     """
-    from models.signature import INDICES, LENGTHS
-
     from .compile import HOST_PARTITION
+    from .table_probe import table_batched
 
     plan, split = partitioned.plan, partitioned.split
     tables = plan.tables
-    if split.host_inputs != [LENGTHS, INDICES] or len(split.boundary) != 1 or not tables.get("rows"):
-        raise ValueError("--sparse-on-cards needs a table-batched embedding host stage with known tables "
-                         f"(host inputs {split.host_inputs}, outputs {split.boundary}, "
-                         f"table facts {sorted(tables)})")
+    if split is None:
+        raise ValueError("--sparse-on-cards needs a torch host stage; an ONNX model's tables stay on the host")
+    arrays = None if partitioned.artifacts[HOST_PARTITION].format == "tables" else table_batched(
+        split.host, split.host_inputs, split.boundary, tables.get("rows"))
+    if arrays is not None:
+        tables.setdefault("dim", int(arrays[0].shape[1]))  # a model file's plan learns its dim here
+    elif partitioned.artifacts[HOST_PARTITION].format != "tables":
+        raise ValueError("--sparse-on-cards needs a table-batched host stage: one sum-pooled bag per (item, table) "
+                         f"from the lengths and ids over one weight of all tables (the zoo's layout); this one "
+                         f"takes {split.host_inputs} -> {split.boundary}"
+                         + ("" if tables.get("rows") else " and its tables could not be told apart")
+                         + " (see docs/bring-your-own-model.md, Limits)")
     precision = tables.get("precision", "fp32")
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"--sparse-on-cards serves fp32 or fp16 tables; these are {precision} "

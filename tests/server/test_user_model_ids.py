@@ -32,17 +32,18 @@ CANONICAL = ("dense_features", "sparse_lengths", "sparse_indices")
 
 
 class SharedTableModel(nn.Module):
-    """One-hot ids shifted into one shared table by a per-table offset, and looked up twice: no table map."""
+    """One-hot ids shifted into one shared table by a per-table offset (``scale`` 1), or scaled first (2)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: int = 1) -> None:
         super().__init__()
         torch.manual_seed(2)
-        self.weight = nn.Parameter(torch.randn(TABLES * ROWS, DIM), requires_grad=False)
-        self.register_buffer("offsets", torch.arange(TABLES) * ROWS)
+        self.scale = scale
+        self.weight = nn.Parameter(torch.randn(TABLES * ROWS * scale, DIM), requires_grad=False)
+        self.register_buffer("offsets", torch.arange(TABLES) * ROWS * scale)
         self.top = nn.Linear(DENSE_DIM + TABLES * DIM, 1)
 
     def forward(self, dense_features, sparse_lengths, sparse_indices):
-        rows = sparse_indices.view(-1, TABLES) + self.offsets
+        rows = sparse_indices.view(-1, TABLES) * self.scale + self.offsets
         emb = nn.functional.embedding(rows, self.weight).flatten(1)
         return torch.sigmoid(self.top(torch.cat([dense_features, emb], dim=1)))
 
@@ -71,31 +72,55 @@ def _bad_id_is_invalid_argument(client, name: str, bad: dict[str, np.ndarray], *
         assert text in err.value.message()
 
 
-def test_a_torch_lookup_with_no_table_map_range_checks_its_rows(tmp_path) -> None:
-    model = SharedTableModel().eval()
-    path = tmp_path / "shared.pt2"
+def _partition_torch(tmp_path, model: nn.Module, name: str):
+    path = tmp_path / f"{name}.pt2"
     batch = torch.export.Dim("batch", min=1, max=4096)
     args = tuple(torch.from_numpy(_request(4, 0)[k]) for k in CANONICAL)
     torch.export.save(torch.export.export(model, args, dynamic_shapes={
         "dense_features": {0: batch}, "sparse_lengths": {0: batch}, "sparse_indices": {0: batch * TABLES}}), str(path))
     partitioned = partition_file(str(path), cards=2)
-    assert "rows" not in partitioned.plan.tables  # the shift hides which table a lookup reads
-    write_artifacts(partitioned, tmp_path / "repo" / "shared" / "1")
+    write_artifacts(partitioned, tmp_path / "repo" / name / "1")
+    return partitioned
+
+
+def _check_good(client, name: str, model: nn.Module) -> None:
+    good = _request(5, 2)  # the server keeps answering, like the model
+    scores = client.infer(name, triton_inputs(grpcclient, good)).as_numpy("scores")
+    with torch.inference_mode():
+        expected = model(*(torch.from_numpy(good[k]) for k in CANONICAL)).numpy()
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ids_shifted_into_a_shared_table_are_checked_per_table(tmp_path) -> None:
+    model = SharedTableModel().eval()
+    partitioned = _partition_torch(tmp_path, model, "shared")
+    assert partitioned.plan.tables["rows"] == [ROWS] * TABLES  # from the shifts: table t starts where t - 1 ends
 
     core, server = _serve(tmp_path / "repo", "shared")
     with server:
         asyncio.run_coroutine_threadsafe(core.control.load("shared"), server._loop).result(timeout=120)
         client = grpcclient.InferenceServerClient(server.url)
         bad = _request(3, 1)
-        bad["sparse_indices"][4] = 2 * ROWS + 5  # item 1, table 1: row 35 of a 30-row shared table
-        _bad_id_is_invalid_argument(client, "shared", bad, "id 25 at position 4 (table 1)", "rows 0..29")
-        bad["sparse_indices"][4] = -ROWS - 1  # lands before row 0
-        _bad_id_is_invalid_argument(client, "shared", bad, "position 4")
-        good = _request(5, 2)  # the server keeps answering, like the model
-        scores = client.infer("shared", triton_inputs(grpcclient, good)).as_numpy("scores")
-        with torch.inference_mode():
-            expected = model(*(torch.from_numpy(good[k]) for k in CANONICAL)).numpy()
-        np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+        bad["sparse_indices"][4] = ROWS  # item 1, table 1: inside the shared weight, but table 2's first row
+        _bad_id_is_invalid_argument(client, "shared", bad, "id 10 at position 4 is out of range for table 1")
+        _check_good(client, "shared", model)
+
+
+def test_a_torch_lookup_with_no_table_map_range_checks_its_rows(tmp_path) -> None:
+    model = SharedTableModel(scale=2).eval()
+    partitioned = _partition_torch(tmp_path, model, "scaled")
+    assert "rows" not in partitioned.plan.tables  # ids x 2: not a shift, so no table map
+
+    core, server = _serve(tmp_path / "repo", "scaled")
+    with server:
+        asyncio.run_coroutine_threadsafe(core.control.load("scaled"), server._loop).result(timeout=120)
+        client = grpcclient.InferenceServerClient(server.url)
+        bad = _request(3, 1)
+        bad["sparse_indices"][5] = 2 * ROWS  # item 1, table 2: row 2 x 20 + 40 = 80 of a 60-row table
+        _bad_id_is_invalid_argument(client, "scaled", bad, "reads row 80 of lookup embedding", "rows 0..59")
+        bad["sparse_indices"][5] = -3 * ROWS  # -60 + 40: before row 0
+        _bad_id_is_invalid_argument(client, "scaled", bad, "reads row")
+        _check_good(client, "scaled", model)
 
 
 def _scaled_ids_onnx(path) -> None:
