@@ -169,7 +169,8 @@ def test_prometheus_metrics_are_exposed(client, served_rm2, gen) -> None:
 
 
 def test_requests_refused_before_a_model_are_counted_by_protocol_and_reason(client, served_rm2, gen) -> None:
-    import tritonclient.http as th
+    import json
+    import urllib.error
 
     def refused(protocol: str, reason: str) -> float:
         page = urllib.request.urlopen(f"http://127.0.0.1:{served_rm2.metrics_port}/metrics", timeout=10).read().decode()
@@ -177,15 +178,14 @@ def test_requests_refused_before_a_model_are_counted_by_protocol_and_reason(clie
         return float(page.split(key, 1)[1].split()[0]) if key in page else 0.0
 
     before = {p: refused(p, "model_not_found") for p in ("grpc", "rest")}
-    request = gen.make(2)
     with pytest.raises(InferenceServerException):
-        client.infer("no-such-model", triton_inputs(tc, request))
-    rest = th.InferenceServerClient(served_rm2.http_url)
-    try:
-        with pytest.raises(InferenceServerException):
-            rest.infer("no-such-model", triton_inputs(th, request))
-    finally:
-        rest.close()
+        client.infer("no-such-model", triton_inputs(tc, gen.make(2)))
+    body = json.dumps({"inputs": [{"name": "dense_features", "shape": [1, 1], "datatype": "FP32", "data": [0.0]}]})
+    rest = urllib.request.Request(f"http://{served_rm2.http_url}/v2/models/no-such-model/infer", data=body.encode(),
+                                  headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(rest, timeout=10)
+    assert answer.value.code == 404
     assert {p: refused(p, "model_not_found") for p in ("grpc", "rest")} == {p: v + 1 for p, v in before.items()}
 
 
