@@ -363,7 +363,7 @@ def test_partition_file_dispatches_onnx_and_plans_like_a_torch_model(model_file)
     assert [(i.name, i.datatype, i.shape) for i in plan.inputs] == [
         (DENSE, "FP32", [-1, 5]), (LENGTHS, "INT32", [-1, 3]), (INDICES, "INT64", [-1])]
     assert [(o.name, o.shape) for o in plan.outputs] == [(SCORES, [-1, 1])]
-    assert plan.tables == {"rows": [11, 7, 5], "dim": 4, "pooling": [3, 3, 3]}
+    assert plan.tables == {"rows": [11, 7, 5], "dim": 4, "pooling": [3, 3, 3], "fixed_pooling": True}
     host, dense = plan.partition(HOST_PARTITION), plan.partition(DENSE_PARTITION)
     assert host.format == dense.format == "onnx"
     host_weights = onnx.load_from_string(partitioned.artifacts[HOST_PARTITION].payload).graph.initializer
