@@ -137,13 +137,14 @@ def test_a_lookup_that_cannot_be_quantized_is_named(tmp_path) -> None:
         partition_file(str(path), cards=1, pooling=2, table_precision="int8")
 
 
-def test_table_precision_on_an_onnx_model(tmp_path) -> None:
+@pytest.mark.parametrize("lookup,reduce,weighted", [("gather", "ReduceMean", True), ("gathernd", "ReduceSum", False)])
+def test_table_precision_on_an_onnx_model(tmp_path, lookup, reduce, weighted) -> None:
     import onnx
 
     from tests.partitioner.test_onnx_lookups import DIM as onnx_dim, ROWS as onnx_rows, _model, _request as onnx_request
 
     path = tmp_path / "bags.onnx"
-    onnx.save(_model("gather", "ReduceMean", weighted=True), str(path))
+    onnx.save(_model(lookup, reduce, weighted), str(path))
     original = ort.InferenceSession(str(path))
     fp32 = partition_file(str(path), cards=1)
     for precision, atol in (("fp16", 2e-3), ("int8", 3e-2)):
@@ -151,7 +152,7 @@ def test_table_precision_on_an_onnx_model(tmp_path) -> None:
         assert partitioned.plan.tables["precision"] == precision
         from backends.host_embedding import bytes_per_row
         saved = (4 * onnx_dim - bytes_per_row(precision, onnx_dim)) * sum(onnx_rows)  # per-sample weights stay
-        if precision == "fp16":
+        if precision == "fp16" and weighted:
             saved += 2 * sum(onnx_rows)  # the [rows, 1] weights too
         assert partitioned.artifacts[HOST_PARTITION].param_bytes == fp32.artifacts[HOST_PARTITION].param_bytes - saved
         request = onnx_request(17, 5)
