@@ -274,6 +274,27 @@ class HostEmbeddingStage:
             if g.store is not None:
                 g.store.close()
 
+    def warm(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> int:
+        """Fill the tiered stores' caches with the rows these (recorded) requests read most; returns rows loaded.
+
+        Rows are ranked by how often the ids ask for them and read in file order
+        (``TieredRows.warm``). A resident stage has nothing to warm (returns 0).
+        """
+        if not self.stores:
+            return 0
+        lengths = np.asarray(sparse_lengths).reshape(-1).astype(np.int64)
+        ids = np.asarray(sparse_indices, dtype=np.int64)
+        table = np.repeat(np.tile(np.arange(self.num_tables), lengths.shape[0] // self.num_tables), lengths)
+        loaded = 0
+        for g, group in enumerate(self.groups):
+            if group.store is None:
+                continue
+            mine = np.isin(table, group.tables)
+            rows = ids[mine] + self._row_offset_np[table[mine]]
+            unique, counts = np.unique(rows, return_counts=True)
+            loaded += group.store.warm(unique[np.argsort(-counts, kind="stable")])
+        return loaded
+
     @property
     def stores(self) -> list[Any]:
         """The tiered row stores (``TieredRows``), one per precision group; empty when all rows are resident."""

@@ -144,3 +144,19 @@ def test_python_fallback_reads_the_same_rows(tables: Path, monkeypatch: pytest.M
     for lengths, ids in _requests(5, seed=5):
         np.testing.assert_array_equal(tiered.run_numpy(lengths, ids), resident.run_numpy(lengths, ids))
     tiered.close()
+
+
+def test_warm_loads_the_most_read_rows_and_answers_stay_exact(tables: Path) -> None:
+    resident = HostEmbeddingStage(tables)
+    tiered = HostEmbeddingStage(tables, table_memory=60_000, item_ids=20)
+    store = tiered.stores[0]
+    trace = _requests(30, seed=11)
+    lengths = np.concatenate([r[0] for r in trace])
+    ids = np.concatenate([r[1] for r in trace])
+    assert tiered.warm(lengths, ids) == store.slots
+    owners = store.owner[store.owner >= 0]
+    assert np.array_equal(store.index[owners], np.flatnonzero(store.owner >= 0))
+    for lengths, ids in trace[:5]:
+        np.testing.assert_array_equal(tiered.run_numpy(lengths, ids), resident.run_numpy(lengths, ids))
+    assert store.stats.hit_rate > 0.5
+    tiered.close()
