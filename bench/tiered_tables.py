@@ -113,10 +113,31 @@ def time_batches(stage: HostEmbeddingStage, batches: list[tuple[np.ndarray, np.n
     return items / sum(times), float(np.percentile(times, 99))
 
 
-def run_variant(make, batches, args, between=None, warmup: int | None = None) -> dict:
+def resident_share(array: np.memmap) -> float:
+    """Share of a memory map's pages resident (mincore)."""
+    start = array.ctypes.data - array.offset % mmap.ALLOCATIONGRANULARITY
+    length = array.nbytes + array.offset % mmap.ALLOCATIONGRANULARITY
+    vec = np.zeros(-(-length // mmap.PAGESIZE), np.uint8)
+    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec.ctypes.data_as(ctypes.c_void_p)):
+        raise OSError(ctypes.get_errno(), "mincore")
+    return float(np.count_nonzero(vec & 1)) / vec.shape[0]
+
+
+def touch(array: np.ndarray) -> None:
+    for lo in range(0, array.shape[0], 1 << 18):
+        float(array[lo:lo + (1 << 18), 0].sum())  # one value per row: every page is read
+
+
+def run_variant(make, batches, args, between=None, warmup: int | None = None, before_run=None) -> dict:
     stage, cleanup = make()
     warmup = args.warmup if warmup is None else warmup
     warm = batches[args.warmup - warmup:args.warmup]  # the same timed batches for every variant
+    warm_trace = batches[:args.warmup]
+    if stage.stores and args.warm_cache:
+        t = time.perf_counter()
+        stage.warm(np.concatenate([b[0] for b in warm_trace]), np.concatenate([b[1] for b in warm_trace]))
+        print(f"  cache warmed from {len(warm_trace)} batches in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        warm = batches[args.warmup - args.after_warm:args.warmup]
     t0 = time.perf_counter()
     for lengths, ids in warm:
         stage.run_numpy(lengths, ids)
@@ -127,7 +148,10 @@ def run_variant(make, batches, args, between=None, warmup: int | None = None) ->
     before = [(s.stats.hits, s.stats.misses) for s in stores]
     runs = []
     timed = batches[args.warmup:]
+    residency = []
     for r in range(args.runs):
+        if before_run is not None:
+            residency.append(before_run(stage))
         part = timed[r * args.batches:(r + 1) * args.batches]
         runs.append(time_batches(stage, part, (lambda: between(stage)) if between is not None else None))
     hits = sum(s.stats.hits - b[0] for s, b in zip(stores, before))
@@ -135,7 +159,7 @@ def run_variant(make, batches, args, between=None, warmup: int | None = None) ->
     memory = sum(s.nbytes for s in stores) if stores else None
     cleanup(stage)
     return {"runs": runs, "hit_rate": hits / (hits + misses) if hits + misses else None, "warm_s": warm_s,
-            "memory": memory}
+            "memory": memory, "residency": residency}
 
 
 def main() -> int:
@@ -152,6 +176,9 @@ def main() -> int:
     p.add_argument("--budgets", default="5,10,25,100", help="table memory, %% of the table bytes")
     p.add_argument("--zipf", default="1.05,1.2")
     p.add_argument("--io-threads", type=int, default=32)
+    p.add_argument("--no-warm-cache", dest="warm_cache", action="store_false",
+                   help="start the row cache cold (default: warm it from the warm-up batches' id counts)")
+    p.add_argument("--after-warm", type=int, default=20, help="batches run untimed after warming the cache")
     p.add_argument("--no-mmap", action="store_true", help="skip the plain-mmap variants")
     p.add_argument("--quick", action="store_true", help="small tables, few batches (a smoke run)")
     p.add_argument("--keep", action="store_true", help="keep the tables on disk")
@@ -159,6 +186,7 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.max_rows, args.batches, args.runs, args.warmup, args.mmap_warmup = args.max_rows or 50_000, 3, 2, 5, 2
+        args.after_warm = 2
     config = get_config(args.model, max_rows=args.max_rows)
     rows, dim = list(config.table_rows), config.embedding_dim
     table_bytes = sum(rows) * dim * 4
@@ -180,13 +208,15 @@ def main() -> int:
 
             def resident():
                 stage = HostEmbeddingStage(tables)  # fused: tables/fp32/fused.npy, memory-mapped
-                weight = stage.groups[0].array
-                for lo in range(0, weight.shape[0], 1 << 18):  # every page resident before timing
-                    float(weight[lo:lo + (1 << 18)].sum())
                 return stage, lambda s: PageBudget(s.groups[0].array, 0).drop()
 
+            def all_pages(stage) -> float:  # every page resident before each run (and say how many were)
+                touch(stage.groups[0].array)
+                return resident_share(stage.groups[0].array)
+
             print(f"zipf {alpha}: resident", file=sys.stderr)
-            results["resident"] = run_variant(resident, batches, args, warmup=args.mmap_warmup)
+            results["resident"] = run_variant(resident, batches, args, warmup=args.mmap_warmup, before_run=all_pages)
+            print(f"  resident pages before each run: {results['resident']['residency']}", file=sys.stderr)
             results["resident"]["memory"] = table_bytes
             for pct in budgets:
                 budget = int(table_bytes * pct / 100)
@@ -223,7 +253,12 @@ def main() -> int:
     head = [
         f"rm2{'' if args.max_rows is None else f' (rows capped at {args.max_rows})'}: {len(rows)} tables, "
         f"{sum(rows):,} rows x {dim} fp32 = {table_bytes / 2**30:.2f} GiB on disk; {args.items} items per batch "
-        f"({args.items * item_ids:,} ids); {args.warmup} warm-up batches ({args.mmap_warmup} for resident and mmap), then {args.runs} runs x {args.batches} "
+        f"({args.items * item_ids:,} ids); "
+        + (f"the row cache warmed from the id counts of {args.warmup} recorded batches (TieredRows.warm: "
+           f"sequential reads), then {args.after_warm} untimed batches; " if args.warm_cache else
+           f"{args.warmup} warm-up batches for the row cache; ")
+        + f"resident and mmap: {args.mmap_warmup} untimed batches (resident: every page touched and counted "
+        f"with mincore before each run); then {args.runs} runs x {args.batches} "
         f"batches; medians over runs. io threads {args.io_threads}.",
         "",
         f"Machine: {machine_line(f'load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} at the end')}",
@@ -253,6 +288,8 @@ def _table(alpha: float, results: dict[str, dict], args) -> list[str]:
         if name.startswith("mmap"):
             hit = f"({r['flushes']} flushes)"
         mem = f"{r['memory'] / 2**20:,.0f} MiB" if r.get("memory") else "-"
+        if r.get("residency"):
+            mem += f" ({100 * min(r['residency']):.0f}% of pages in)"
         out.append(f"| {name} | {mem} | {hit} | {ips:,.0f} | {p99:.1f} | {vs_res:.3f} | "
                    f"{'-' if mm is None else f'{mm:.2f}x'} |")
     out.append("")
