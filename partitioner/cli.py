@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                       + (" (table shards on cards not measured)" if args.sparse_on_cards else ""))
     if args.draw:
         from .draw import draw_partitioned
+        plan = partitioned.plan
         drawn = draw_partitioned(partitioned, args.draw,
-                                 title=f"{partitioned.plan.model}: host (sparse) vs cards (dense), {partitioned.plan.strategy}")
+                                 title=f"{plan.model}: host (sparse) vs cards (dense), {plan.strategy}")
         console.print(f"drew {drawn}")
     if args.plan_only:
         console.print(f"wrote {path} (plan only)" if path else "plan only: nothing written")

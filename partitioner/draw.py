@@ -97,14 +97,16 @@ def device_lines(plan: PartitionPlan) -> dict[str, list[str]]:
     stages = plan.dense_stages()
     kinds = {p.name: p.kind for p in plan.partitions}
     out: dict[str, list[str]] = {}
+    precision = plan.tables.get("precision", "fp32")
     for device in plan.devices:
         lines = [f"{device.id} ({device.spec.name})"]
         for placement in (p for p in plan.placements if p.device == device.id):
             name = placement.partition
             if kinds.get(name) == "sparse":
-                lines.append(f"{name}: host stage (lookups{', ' + str(plan.tables['precision']) if plan.tables.get('precision', 'fp32') != 'fp32' else ''})")
+                lines.append(f"{name}: host stage (lookups{'' if precision == 'fp32' else ', ' + precision})")
             elif len(stages) > 1:
-                lines.append(f"{name}: pipeline stage {stages.index(name) + 1} of {len(stages)}, replica {placement.replica}")
+                lines.append(f"{name}: pipeline stage {stages.index(name) + 1} of {len(stages)}, "
+                             f"replica {placement.replica}")
             else:
                 lines.append(f"{name}: replica {placement.replica}")
         shards = [s for s in plan.shards if s.device == device.id]

@@ -90,7 +90,8 @@ def _static_fix(shapes: dict[str, tuple[int, ...]]) -> str:
              else "torch.export.Dim('ids', min=0)},")
     return ("export with a dynamic batch and id count:\n"
             "    batch = torch.export.Dim('batch', min=1, max=4096)\n"
-            "    program = torch.export.export(model, (dense_features, sparse_lengths, sparse_indices), dynamic_shapes={\n"
+            "    program = torch.export.export(model, (dense_features, sparse_lengths, sparse_indices),\n"
+            "                                  dynamic_shapes={\n"
             f"        '{DENSE}': {{0: batch}}, '{LENGTHS}': {{0: batch}},\n"
             f"        '{INDICES}': {{0: {fixed}\n"
             "        # jagged ids (pooling varies per item): {0: torch.export.Dim('ids', min=0)}\n"

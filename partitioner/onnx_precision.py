@@ -83,7 +83,8 @@ def quantize_onnx_host(host: onnx.ModelProto | bytes, precision: str) -> onnx.Mo
             q, scale, bias = made[lk.table]
             replacement[lk.gather] = [
                 gather(q, f"{out}__q"), gather(scale, f"{out}__scale"), gather(bias, f"{out}__bias"),
-                helper.make_node("Cast", [f"{out}__q"], [f"{out}__qf"], to=TensorProto.FLOAT, name=f"{lk.gather}__cast"),
+                helper.make_node("Cast", [f"{out}__q"], [f"{out}__qf"], to=TensorProto.FLOAT,
+                                 name=f"{lk.gather}__cast"),
                 helper.make_node("Mul", [f"{out}__qf", f"{out}__scale"], [f"{out}__scaled"], name=f"{lk.gather}__mul"),
                 helper.make_node("Add", [f"{out}__scaled", f"{out}__bias"], [out], name=f"{lk.gather}__add")]
     nodes = []
