@@ -170,6 +170,8 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
         served.parameters["sixfold.table_rows"] = ",".join(str(r) for r in tables["rows"])
     if tables.get("pooling"):
         served.parameters["sixfold.pooling"] = ",".join(str(p) for p in tables["pooling"])
+    if tables.get("fixed_pooling"):  # a model file traced at one pooling: exactly that many ids per (item, table)
+        served.parameters["sixfold.fixed_pooling"] = "true"
     if tables.get("zipf"):
         served.parameters["sixfold.zipf"] = str(tables["zipf"])
     served.parameters["sixfold.cards"] = str(len(cards))

@@ -80,6 +80,7 @@ def test_a_user_table_batched_model_is_sharded_on_cards_and_serves_like_the_orig
     with BackgroundServer(core, ServerConfig(grpc_port=0, metrics_port=None), metrics) as server:
         asyncio.run_coroutine_threadsafe(core.control.load("bags"), server._loop).result(timeout=120)
         assert core.model("bags").plan.shards
+        assert core.model("bags").parameters["sixfold.fixed_pooling"] == "true"  # traced at one pooling
         client = grpcclient.InferenceServerClient(server.url)
         for items, seed in ((1, 1), (40, 2)):
             request = _request(items, seed)
