@@ -49,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="option for the card backend, value read as JSON when it parses (repeatable)")
     p.add_argument("--backend-options-file", metavar="JSON",
                    help="backend options as a JSON object, e.g. backends/specs/faults/flaky.json for simcard")
-    p.add_argument("--card-spec", default="m2-card", help="device spec name or JSON file for the cards")
+    p.add_argument("--card-spec", default=None,
+                   help="device spec name or JSON file for the cards (default: the first device the backend "
+                        "reports, else m2-card; see --list-specs)")
     p.add_argument("--host-spec", default="host-cpu",
                    help="device spec name or JSON file for the host (e.g. one written by "
                         "'sixfold-partition calibrate'); prices the host stage in the printed plan")
@@ -119,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="batches of at most this many items run their dense part on the host CPU "
                         "(-1: tuned automatically from measured latencies; 0: never)")
     p.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
+    p.add_argument("--list-specs", action="store_true",
+                   help="show every named device spec (sixfold's, vendor packages', backends' devices()) and exit")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per line (for log collectors)")
@@ -136,6 +140,17 @@ def _table_memory(text: str) -> int | float:
     return value
 
 
+def _default_card_spec(backend: str) -> str:
+    """The first device the backend reports on this machine (a vendor's own card), else m2-card."""
+    from backends.registry import get_backend
+
+    try:
+        devices = get_backend(backend).devices()
+    except Exception:  # noqa: BLE001 - an unusable backend is reported when the model loads
+        devices = []
+    return devices[0].name if devices else "m2-card"
+
+
 async def _serve(args: argparse.Namespace, console: Console) -> int:
     from partitioner.explain import print_plan
 
@@ -149,6 +164,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                          "(or $SIXFOLD_CONTROL_TOKEN), or --insecure-model-control to allow it without a token")
     if args.drain_seconds < 0:
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    if args.card_spec is None:
+        args.card_spec = _default_card_spec(args.backend)
     backend_options = load_options_file(args.backend_options_file) if args.backend_options_file else {}
     backend_options.update(parse_option(text) for text in args.backend_option)
     metrics = ServerMetrics()
@@ -248,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_backends:
         from backends.registry import describe
         print(describe())
+        return 0
+    if args.list_specs:
+        from backends.spec_catalog import describe_specs
+        print(describe_specs())
         return 0
     if not args.model and not args.model_repository:
         print("sixfold-serve: give --model NAME or --model-repository REPO (or --list-backends)", file=sys.stderr)

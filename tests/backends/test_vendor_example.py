@@ -125,3 +125,15 @@ def test_sixfold_serve_runs_it(installed: Path) -> None:
         assert "2 numpy-ref cards" in " ".join("".join(lines).split())  # rich may wrap the line
     finally:
         serve.kill()
+
+
+def test_sixfold_serve_defaults_to_the_backends_own_device_and_lists_every_spec(installed: Path) -> None:
+    probe = "from server.cli import _default_card_spec as d; print(d('numpy-ref'), d('simcard'))"
+    proc = subprocess.run([sys.executable, "-c", probe], env=_env(installed), capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["numpy-ref-local", "m2-card"]  # its devices() first; simcard reports none
+    listing = subprocess.run([str(Path(sys.executable).parent / "sixfold-serve"), "--list-specs"],
+                             env=_env(installed), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert listing.returncode == 0, listing.stderr
+    assert "numpy-ref-card" in listing.stdout and "numpy-ref-local" in listing.stdout and "m2-card" in listing.stdout
