@@ -136,11 +136,12 @@ def _writable(array: np.ndarray) -> np.ndarray | None:
 
 
 def prepare(stage: HostEmbeddingStage, updates: Mapping[int, tuple[np.ndarray, np.ndarray]],
-            sources: Mapping[int, np.ndarray] | None = None) -> RowSwap:
+            sources: Mapping[int, np.ndarray] | None = None, *, undo: bool = True) -> RowSwap:
     """Ready ``updates`` (table -> (ascending ids, rows in stored form)) for ``RowSwap.commit``.
 
     ``sources`` (tiered groups): table -> the same rows as an array backed by a file that stays
     (the overlay reads them from there after the swap); defaults to the rows themselves.
+    ``undo``: keep the rows they replace in ``RowSwap.undo`` (a read of each changed row).
     """
     from .table_store import RowOverlay
 
@@ -152,7 +153,8 @@ def prepare(stage: HostEmbeddingStage, updates: Mapping[int, tuple[np.ndarray, n
         if values.dtype != dtype or values.shape != (ids.shape[0], width):
             raise ValueError(f"table {table}: rows {values.dtype} {list(values.shape)}, stored rows are "
                              f"{dtype} [{ids.shape[0]}, {width}]")
-        swap.undo[table] = read_rows(stage, table, ids)
+        if undo:
+            swap.undo[table] = read_rows(stage, table, ids)
         source = values if sources is None or table not in sources else sources[table]
         by_group.setdefault(id(group), []).append((np.asarray(ids, np.int64) + offset, values, source))
         swap.rows += int(ids.shape[0])

@@ -95,12 +95,13 @@ class Delta:
     def rows(self) -> int:
         return sum(t.count for t in self.tables)
 
-    def check_against(self, model: str, table_rows: Sequence[int], dim: int, precisions: Sequence[str],
-                      packed_tables: Sequence[int] = ()) -> None:
-        """DeltaError unless every table, id, dim and row format fits the model's tables."""
+    def check_against(self, model: str | Sequence[str], table_rows: Sequence[int], dim: int,
+                      precisions: Sequence[str], packed_tables: Sequence[int] = ()) -> None:
+        """DeltaError unless the model is one of ``model``'s names and every table, id, dim and row format fits."""
         where = self.path / DELTA_FILE
-        if self.model != model:
-            raise DeltaError(f"{where}: model {self.model!r}, but it is being applied to model {model!r}")
+        names = [model] if isinstance(model, str) else list(model)
+        if self.model not in names:
+            raise DeltaError(f"{where}: model {self.model!r}, but it is being applied to model {names[0]!r}")
         for t in self.tables:
             if not 0 <= t.table < len(table_rows):
                 raise DeltaError(f"{where}: unknown table {t.table}; the model has tables 0..{len(table_rows) - 1}")
@@ -287,14 +288,16 @@ def _pack(precision: str, rows: np.ndarray) -> np.ndarray:
 
 
 def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequence: int = 0,
-               chunk_rows: int = _CHUNK_ROWS, progress: bool = False,
+               model: str | None = None, chunk_rows: int = _CHUNK_ROWS, progress: bool = False,
                advance: Callable[[int], None] | None = None) -> Delta:
     """Write the rows that differ between version folders ``old`` and ``new`` as a delta at ``out``.
 
     Both must be the same model with the same tables (count, rows, dim, precision) and the same
     dense partition (a delta carries table rows only). Rows are compared bit for bit, chunk by
     chunk over memory maps. ``base_sequence``: the sequence ``old`` is served at (0: the version as
-    written; k: after k deltas). The folder is written beside ``out`` and renamed into place.
+    written; k: after k deltas). ``model``: the served model's name (default: the plan's model, e.g. rm2;
+    a server also takes a delta named after the model it serves under). The folder is written beside
+    ``out`` and renamed into place.
     """
     old, new, out = Path(old), Path(new), Path(out)
     old_plan, new_plan = _plan(old), _plan(new)
@@ -361,7 +364,7 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
                                        **_write_npy(tmp / f"table_{t:03d}.{precisions[t]}.npy",
                                                     _pack(precisions[t], rows))}
             entries.append(entry)
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": old_plan.get("model"),
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model or old_plan.get("model"),
                 "base": {"sequence": base_sequence, "fingerprint": version_fingerprint(old, old_plan)},
                 "sequence": base_sequence + 1, "fingerprint": version_fingerprint(new, new_plan),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import __version__
+from . import __version__, deltas
 from .core import InferenceCore
 from .errors import (DeadlineExceeded, InternalError, InvalidInput, ModelNotFound, Overloaded, ServingError,
                      Unauthenticated, Unavailable)
@@ -277,12 +277,15 @@ class _Routes:
         parameters = (await self._json_body(request)).get("parameters") or {}
         if not isinstance(parameters, dict):
             raise InvalidInput(f"model {action}: 'parameters' must be a JSON object, got {parameters!r}")
+        name = request.path_params["name"]
+        delta = deltas.delta_request(parameters) if action == "load" else None
+        if delta is not None:  # a table delta or its rollback (server.deltas, docs/deltas.md)
+            return _json(await deltas.serve_request(self.core, name, delta))
         # NOTE: unload_dependents (tritonclient sends it) means nothing without ensembles.
         unsupported = sorted(set(parameters) - ({"unload_dependents"} if action == "unload" else set()))
         if unsupported:
             raise InvalidInput(f"model {action}: 'parameters' {unsupported} are not supported (no config or file "
                                "overrides); sixfold loads what the repository holds")
-        name = request.path_params["name"]
         await (control.load(name) if action == "load" else control.unload(name))
         return Response(status_code=200)
 

@@ -232,4 +232,10 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         else card_timeout_floor_s, table_memory=extras.get("table_memory", table_memory),
         cache_policy=extras.get("table_cache_policy", cache_policy))
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
+    from .deltas import attach
+    try:
+        attach(served, read.path)  # table deltas applied before: replayed before serving (server.deltas)
+    except BaseException:
+        served.runtime.close()
+        raise
     return served

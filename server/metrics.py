@@ -45,6 +45,7 @@ class ServerMetrics:
                                "(unknown model, undecodable or oversized tensors, shutting down)",
                                ["protocol", "reason"], registry=r)
         self.card_faults = Counter("sixfold_card_faults", "Card faults, also those a hedge or retry saved (kind: late, hang, error)", ["model", "card", "kind"], registry=r)
+        self.delta_sequence = Gauge("sixfold_model_delta_sequence", "Table deltas applied to the served version (0: its tables as written)", ["model", "version"], registry=r)
 
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         r.register(_RequestCollector(self._models))

@@ -36,6 +36,8 @@ class ServedModel:
     allow_nonfinite: bool = False
     """Score dense features that are NaN or infinite (default: refuse them with INVALID_ARGUMENT)."""
     id_check: Any = None
+    deltas: Any = None
+    """A ``server.deltas.DeltaLog`` when table deltas can reach this model (a repository version with tables/)."""
     """For lookups not matched to tables (no per-table rows): ``check(inputs) -> None | why`` runs the
     host graph's index arithmetic on the request and checks each lookup's rows (``partitioner.id_check``)."""
 

@@ -20,13 +20,14 @@ one it tunes from measured latencies.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -386,6 +387,9 @@ class PlanRuntime:
         self.min_split_rows = min_split_rows
         self._clock = clock
         self._restarts: set[asyncio.Task] = set()
+        self._host_active = 0  # batches in the host stage now
+        self._host_hold: asyncio.Future | None = None  # set while between_batches runs a change
+        self._host_idle: asyncio.Event | None = None
         if host_dense is None and host_dense_max_rows > 0:
             raise ValueError(f"host_dense_max_rows={host_dense_max_rows} needs a host dense executable "
                              "(host_dense); pass one, or -1/0")
@@ -408,9 +412,32 @@ class PlanRuntime:
     def _can_fall_back(self) -> bool:
         return self.dense_fallback and self._host_dense_runner is not None
 
+    async def between_batches(self, change: Callable[[], Any]) -> Any:
+        """Run ``change()`` (awaited if it returns an awaitable, e.g. work sent to a thread) while no batch
+        is in the host stage; batches arriving meanwhile wait.
+
+        For changes to what the host stage reads (table deltas): every batch's host stage sees the
+        rows before ``change`` or after it, never both. Batches already past the host stage go on.
+        """
+        while self._host_hold is not None:
+            await asyncio.shield(self._host_hold)
+        hold = self._host_hold = asyncio.get_running_loop().create_future()
+        try:
+            while self._host_active:
+                self._host_idle = asyncio.Event()
+                await self._host_idle.wait()
+            result = change()
+            return await result if inspect.isawaitable(result) else result
+        finally:
+            self._host_hold = None
+            hold.set_result(None)
+
     async def run(self, inputs: Arrays, info: BatchInfo) -> Arrays:
         rows = _batch_items(inputs, info)
+        while self._host_hold is not None:  # rows are changing (between_batches): wait for it
+            await asyncio.shield(self._host_hold)
         t0 = self._clock()
+        self._host_active += 1
         try:
             host_out = await self._host_runner.infer({n: inputs[n] for n in self.host.input_names}, rows)
         except ServingError:
@@ -419,6 +446,10 @@ class PlanRuntime:
             raise Unavailable(f"host stage: {exc}") from exc
         except Exception as exc:
             raise InternalError(f"host stage failed: {exc}") from exc
+        finally:
+            self._host_active -= 1
+            if not self._host_active and self._host_idle is not None:
+                self._host_idle.set()
         t1 = self._clock()
         card_inputs = {**inputs, **host_out}
         tuner = self.host_dense_tuner

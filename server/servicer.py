@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from . import __version__
+from . import __version__, deltas
 from .metrics import ServerMetrics
 from .codec import decode_inputs, encode_response, request_priority, request_timeout, requested_outputs
 from .core import InferenceCore
@@ -149,7 +149,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request, context):
         if not request.model_name:
             raise InvalidInput("RepositoryModelLoad: model_name is empty")
-        await self._control(context, changes=True).load(request.model_name)
+        control = self._control(context, changes=True)
+        delta = deltas.delta_request({k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+                                      for k, v in request.parameters.items()})
+        if delta is not None:  # a table delta or its rollback (server.deltas, docs/deltas.md)
+            await deltas.serve_request(self.core, request.model_name, delta)
+        else:
+            await control.load(request.model_name)
         return service_pb2.RepositoryModelLoadResponse()
 
     @_grpc_errors

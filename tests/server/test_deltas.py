@@ -1,0 +1,386 @@
+"""Table deltas over real gRPC: apply while serving, bit-identical to the new version, rejected whole, rolled
+back, persisted across a restart, reaching a tiered store, never mixed under concurrent load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+import models
+from partitioner.artifacts import write_artifacts
+from partitioner.checksums import file_checksum, table_checksums
+from partitioner.compile import partition_builtin
+from partitioner.deltas import DELTA_FILE, DeltaError, make_delta, read_delta
+from server.app import BackgroundServer, ServerConfig
+from server.batcher import BatchingConfig
+from server.core import InferenceCore
+from server.delta_cli import apply_delta, rollback_delta
+from server.deltas import DeltaWatcher
+from server.loader import load_from_repository
+from server.metrics import ServerMetrics
+from server.model_control import ModelControl
+from server.repository import ModelRepository
+from tests.conftest import free_port, triton_inputs
+
+ROWS = 300  # rm1: 8 tables x 300 rows x dim 32
+TOKEN = "s3cret"
+MODELS = ("resident", "tiered")
+
+
+def _change(version: Path, seed: int, tables=(0, 3, 5), share=0.1) -> None:
+    """Rewrite some rows of some tables in place, and plan.json's checksums."""
+    rng = np.random.default_rng(seed)
+    for t in tables:
+        path = version / "tables" / f"table_{t:03d}.npy"
+        a = np.load(path)
+        ids = rng.choice(a.shape[0], int(a.shape[0] * share), replace=False)
+        a[ids] = rng.standard_normal((ids.shape[0], a.shape[1])).astype(np.float32)
+        np.save(path, a)
+    plan = json.loads((version / "plan.json").read_text())
+    plan["tables"]["checksums"] = table_checksums(version / "tables")
+    (version / "plan.json").write_text(json.dumps(plan))
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """v1 (built), v2 (some rows changed), v3 (more changed), and the deltas v1->v2 (seq 1), v2->v3 (seq 2)."""
+    root = tmp_path_factory.mktemp("versions")
+    _, partitioned = partition_builtin("rm1", max_rows=ROWS, seed=2, cards=2)
+    write_artifacts(partitioned, root / "v1")
+    shutil.copytree(root / "v1", root / "v2")
+    _change(root / "v2", 1)
+    shutil.copytree(root / "v2", root / "v3")
+    _change(root / "v3", 2, tables=(1, 3))
+    make_delta(root / "v1", root / "v2", root / "d1")
+    make_delta(root / "v2", root / "v3", root / "d2", base_sequence=1)
+    return root
+
+
+def _repo(root: Path, versions: Path, version: str = "v1") -> Path:
+    for name in MODELS:
+        shutil.copytree(versions / version, root / name / "1")
+    (root / "tiered" / "config.pbtxt").write_text(
+        'name: "tiered"\nparameters { key: "sixfold.table_memory" value { string_value: "110KiB" } }\n'
+        'dynamic_batching { max_queue_delay_microseconds: 0 }\n')
+    (root / "resident" / "config.pbtxt").write_text('name: "resident"\n'
+                                                    'dynamic_batching { max_queue_delay_microseconds: 0 }\n')
+    return root
+
+
+class _Server:
+    def __init__(self, repo: Path, explicit: bool = True) -> None:
+        self.metrics = ServerMetrics()
+        self.core = InferenceCore()
+
+        def loader(r, name, version):
+            return load_from_repository(r, name, version, backend="simcard", metrics=self.metrics,
+                                        batching=BatchingConfig(max_queue_delay_microseconds=0))
+
+        self.core.control = ModelControl(self.core, ModelRepository(repo), loader, explicit=explicit)
+        self.metrics_port = free_port()
+        self.background = BackgroundServer(self.core, ServerConfig(grpc_port=0, http_port=0,
+                                                                   metrics_port=self.metrics_port,
+                                                                   control_token=TOKEN), self.metrics).start()
+        for name in MODELS:
+            self.run(self.core.control.load(name))
+        self.url = self.background.url
+
+    def run(self, coroutine, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.background._loop).result(timeout=timeout)
+
+    def stop(self) -> None:
+        self.background.stop()
+
+
+@pytest.fixture()
+def server(tmp_path, versions):
+    s = _Server(_repo(tmp_path / "repo", versions))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory, versions):
+    """Scores of the test requests from servers started on v1, v2 and v3 (each model)."""
+    out = {}
+    for version in ("v1", "v2", "v3"):
+        s = _Server(_repo(tmp_path_factory.mktemp(version), versions, version))
+        try:
+            client = grpcclient.InferenceServerClient(s.url)
+            out[version] = {name: [_infer(client, name, r) for r in REQUESTS] for name in MODELS}
+        finally:
+            s.stop()
+    return out
+
+
+def _requests(count: int, seed: int):
+    gen = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=ROWS), seed=seed)
+    rng = np.random.default_rng(seed)
+    return [gen.make(int(rng.integers(1, 40))) for _ in range(count)]
+
+
+REQUESTS = _requests(6, seed=5)
+
+
+def _infer(client, name, request):
+    result = client.infer(name, triton_inputs(grpcclient, request),
+                          outputs=[grpcclient.InferRequestedOutput("scores")], client_timeout=60)
+    return result.as_numpy("scores")
+
+
+def _scores(url, name):
+    client = grpcclient.InferenceServerClient(url)
+    return [_infer(client, name, r) for r in REQUESTS]
+
+
+def _same(got, want) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def _sequence(url, name) -> str:
+    config = grpcclient.InferenceServerClient(url).get_model_config(name, as_json=True)["config"]
+    return config["parameters"]["sixfold.delta_sequence"]["string_value"]
+
+
+def _metric(port, name) -> float:
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in page.splitlines():
+        if line.startswith("sixfold_model_delta_sequence{") and f'model="{name}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no sixfold_model_delta_sequence series for " + name)
+
+
+def test_versions_differ(answers):
+    for name in MODELS:
+        assert not _same(answers["v1"][name], answers["v2"][name])
+        assert _same(answers["v1"]["resident"], answers["v1"]["tiered"])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_apply_answers_as_the_new_version_then_rolls_back(server, versions, answers, name):
+    assert _sequence(server.url, name) == "0"
+    assert _same(_scores(server.url, name), answers["v1"][name])
+    assert apply_delta(server.url, name, versions / "d1", token=TOKEN) == "1"
+    assert _same(_scores(server.url, name), answers["v2"][name])  # bit-identical to a server on v2
+    assert _metric(server.metrics_port, name) == 1
+    assert apply_delta(server.url, name, versions / "d2", token=TOKEN, server_path=True) == "2"
+    assert _same(_scores(server.url, name), answers["v3"][name])
+    assert rollback_delta(server.url, name, token=TOKEN) == "1"
+    assert _same(_scores(server.url, name), answers["v2"][name])
+    assert rollback_delta(server.url, name, token=TOKEN) == "0"
+    assert _same(_scores(server.url, name), answers["v1"][name])
+    with pytest.raises(InferenceServerException, match="no delta to roll back"):
+        rollback_delta(server.url, name, token=TOKEN)
+
+
+def test_restart_serves_the_applied_rows(tmp_path, versions, answers):
+    repo = _repo(tmp_path / "repo", versions)
+    first = _Server(repo)
+    try:
+        for name in MODELS:
+            apply_delta(first.url, name, versions / "d1", token=TOKEN)
+            apply_delta(first.url, name, versions / "d2", token=TOKEN)
+            rollback_delta(first.url, name, token=TOKEN)
+    finally:
+        first.stop()
+    second = _Server(repo)
+    try:
+        for name in MODELS:
+            assert _sequence(second.url, name) == "1"
+            assert _same(_scores(second.url, name), answers["v2"][name])
+            assert apply_delta(second.url, name, versions / "d2", token=TOKEN) == "2"
+            assert _same(_scores(second.url, name), answers["v3"][name])
+    finally:
+        second.stop()
+    # the base tables were never rewritten
+    assert file_checksum(repo / "resident" / "1" / "tables" / "table_000.npy") == \
+        file_checksum(versions / "v1" / "tables" / "table_000.npy")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(delta: Path, table_file: str, array: np.ndarray, entry_changes: dict | None = None) -> None:
+    """Replace one file of a delta (and its checksum in delta.json, so only the intended fault remains)."""
+    np.save(delta / table_file, array)
+    meta = json.loads((delta / DELTA_FILE).read_text())
+    for entry in meta["tables"]:
+        for key in ("ids", "values", "packed"):
+            if entry.get(key) and entry[key]["file"] == table_file:
+                entry[key]["checksum"] = file_checksum(delta / table_file)
+        entry.update((entry_changes or {}).get(entry["table"], {}))
+    (delta / DELTA_FILE).write_text(json.dumps(meta))
+
+
+def _bad_deltas(versions: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
+    d1 = versions / "d1"
+    first = read_delta(d1).tables[0]
+    t = first.table
+    cases = {}
+    cases["gap"] = (versions / "d2", "a gap")
+    other = _copy(versions / "v1", tmp / "other")
+    _change(other, 9)
+    cases["wrong base"] = (make_delta(other, versions / "v2", tmp / "wrong-base").path, "wrong base")
+    bad = _copy(d1, tmp / "checksum")
+    rows = np.load(bad / f"table_{t:03d}.rows.npy")
+    rows[0, 0] += 1
+    np.save(bad / f"table_{t:03d}.rows.npy", rows)
+    cases["checksum"] = (bad, f"table_{t:03d}.rows.npy: checksum mismatch")
+    bad = _copy(d1, tmp / "unknown-table")
+    meta = json.loads((bad / DELTA_FILE).read_text())
+    meta["tables"][0]["table"] = 99
+    (bad / DELTA_FILE).write_text(json.dumps(meta))
+    cases["unknown table"] = (bad, "unknown table 99")
+    bad = _copy(d1, tmp / "range")
+    ids = first.ids.copy()
+    ids[-1] = ROWS + 5
+    _rewrite(bad, f"table_{t:03d}.ids.npy", ids)
+    cases["id out of range"] = (bad, f"id {ROWS + 5} is out of range for table {t}")
+    bad = _copy(d1, tmp / "dim")
+    _rewrite(bad, f"table_{t:03d}.rows.npy", np.zeros((first.count, 33), np.float32), {t: {"dim": 33}})
+    cases["dim"] = (bad, "rows of dim 33")
+    bad = _copy(d1, tmp / "dtype")
+    _rewrite(bad, f"table_{t:03d}.rows.npy", first.values.astype(np.float64))
+    cases["dtype"] = (bad, "expected float32")
+    bad = _copy(d1, tmp / "model")
+    meta = json.loads((bad / DELTA_FILE).read_text())
+    meta["model"] = "rm9"
+    (bad / DELTA_FILE).write_text(json.dumps(meta))
+    cases["model"] = (bad, "model 'rm9'")
+    bad = _copy(d1, tmp / "missing")
+    (bad / f"table_{t:03d}.ids.npy").unlink()
+    cases["missing file"] = (bad, f"table_{t:03d}.ids.npy: missing")
+    return cases
+
+
+def test_bad_deltas_are_rejected_whole(server, versions, answers, tmp_path):
+    cases = _bad_deltas(versions, tmp_path)
+    for name in MODELS:
+        for case, (delta, message) in cases.items():
+            with pytest.raises(InferenceServerException) as caught:
+                apply_delta(server.url, name, delta, token=TOKEN, server_path=True)
+            assert message in caught.value.message(), (case, caught.value.message())
+            assert _sequence(server.url, name) == "0", case
+            assert _same(_scores(server.url, name), answers["v1"][name]), case
+        assert not list((server.core.model(name).deltas.folder).glob("0*")), "no log entry left behind"
+    # and a good one still applies after them
+    assert apply_delta(server.url, "resident", versions / "d1", token=TOKEN) == "1"
+
+
+def test_model_control_needs_the_token(server, versions):
+    with pytest.raises(InferenceServerException, match="authorization"):
+        apply_delta(server.url, "resident", versions / "d1", token="wrong")
+    assert _sequence(server.url, "resident") == "0"
+
+
+def test_delta_json_is_checked_on_its_own(versions, tmp_path):
+    bad = _copy(versions / "d1", tmp_path / "seq")
+    meta = json.loads((bad / DELTA_FILE).read_text())
+    meta["sequence"] = 5
+    (bad / DELTA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DeltaError, match="sequence 5 must follow its base sequence 0"):
+        read_delta(bad)
+    (bad / DELTA_FILE).write_text("{not json")
+    with pytest.raises(DeltaError, match="delta.json: not valid JSON"):
+        read_delta(bad)
+
+
+def test_rest_applies_and_rolls_back(server, versions, answers):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.background.http_url)
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    body = json.dumps({"parameters": {"sixfold.delta_path": str(versions / "d1")}}).encode()
+    request = urllib.request.Request(f"http://{server.background.http_url}/v2/repository/models/resident/load",
+                                     data=body, headers=headers, method="POST")
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert reply["sequence"] == 1
+    assert _same(_scores(server.url, "resident"), answers["v2"]["resident"])
+    body = json.dumps({"parameters": {"sixfold.delta_rollback": True}}).encode()
+    request = urllib.request.Request(f"http://{server.background.http_url}/v2/repository/models/resident/load",
+                                     data=body, headers=headers, method="POST")
+    assert json.loads(urllib.request.urlopen(request, timeout=60).read())["sequence"] == 0
+    assert client.get_model_config("resident")["parameters"]["sixfold.delta_sequence"]["string_value"] == "0"
+
+
+def test_concurrent_load_sees_old_or_new_never_a_mix(server, versions, answers):
+    """Clients keep sending while deltas apply and roll back: no request fails, each answer is one version's."""
+    name = "resident"
+    known = [answers[v][name] for v in ("v1", "v2", "v3")]
+    errors: list[str] = []
+    seen = [0, 0, 0]
+    stop = threading.Event()
+
+    def client_loop(seed: int) -> None:
+        client = grpcclient.InferenceServerClient(server.url)
+        k = seed
+        while not stop.is_set() and k < seed + 400:
+            i = k % len(REQUESTS)
+            try:
+                got = _infer(client, name, REQUESTS[i])
+            except InferenceServerException as exc:
+                errors.append(exc.message())
+                return
+            match = [v for v in range(3) if np.array_equal(got, known[v][i])]
+            if not match:
+                errors.append(f"request {i}: an answer of no version (a mix)")
+                return
+            seen[match[0]] += 1
+            k += 1
+
+    threads = [threading.Thread(target=client_loop, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(2):
+            apply_delta(server.url, name, versions / "d1", token=TOKEN)
+            apply_delta(server.url, name, versions / "d2", token=TOKEN)
+            rollback_delta(server.url, name, token=TOKEN)
+            rollback_delta(server.url, name, token=TOKEN)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors[:3]
+    assert sum(seen) > 0
+
+
+def test_watched_folder_applies_in_order_and_skips_bad_ones(server, versions, answers, tmp_path):
+    watched = tmp_path / "watched"
+    watched.mkdir()
+
+    def named(src: Path, dst: Path, model: str) -> Path:  # the watcher applies a delta to the model it names
+        meta = json.loads((_copy(src, tmp_path / "staging" / dst.name) / DELTA_FILE).read_text())
+        meta["model"] = model
+        (tmp_path / "staging" / dst.name / DELTA_FILE).write_text(json.dumps(meta))
+        shutil.move(tmp_path / "staging" / dst.name, dst)  # written beside, moved in whole
+        return dst
+
+    named(versions / "d2", watched / "b-second", "resident")  # waits for the first
+    broken = named(versions / "d1", watched / "a-broken", "tiered")
+    first = read_delta(broken).tables[0]
+    rows = np.load(broken / f"table_{first.table:03d}.rows.npy")
+    rows[:] = 0
+    np.save(broken / f"table_{first.table:03d}.rows.npy", rows)  # checksum mismatch: rejected, skipped
+    watcher = DeltaWatcher(server.core, watched, interval_s=0.05)
+    assert server.run(watcher.scan()) == 0
+    assert _sequence(server.url, "resident") == "0"
+    named(versions / "d1", watched / "c-first", "resident")
+    assert server.run(watcher.scan()) == 2  # c-first, then b-second, in sequence order
+    assert _sequence(server.url, "resident") == "2"
+    assert _sequence(server.url, "tiered") == "0"
+    assert _same(_scores(server.url, "resident"), answers["v3"]["resident"])
+    assert server.run(watcher.scan()) == 0
