@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                         "config.pbtxt may set its own (sixfold.table_memory)")
     p.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
                    help="row cache admission: tinylfu (a row enters on its second miss; default) or clock (every miss)")
+    p.add_argument("--watch-deltas", metavar="DIR",
+                   help="apply table-delta folders that appear in DIR, in sequence order, to the repository "
+                        "models they name (docs/deltas.md); a bad one is logged and skipped")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
     p.add_argument("--http-port", type=int, default=8000,
@@ -227,8 +230,15 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
             print_plan(core.model(name).plan, console)
     if not core.versions and args.model_control_mode != "explicit":
         raise ValueError(f"no model to serve: {args.model_repository} has no model folders")
+    if args.watch_deltas and not args.model_repository:
+        raise ValueError("--watch-deltas needs --model-repository (deltas are persisted in the version folders)")
     server = SixfoldServer(core, config, metrics)
     port = await server.start()
+    watcher = None
+    if args.watch_deltas:
+        from .deltas import DeltaWatcher
+        watcher = DeltaWatcher(core, args.watch_deltas)
+        watcher.start()
     scheme = "https" if config.tls_cert else "http"
     metrics_at = f"{scheme}://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
     serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
@@ -252,6 +262,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         console.print(f"sixfold-serve: draining (not ready; still serving for {args.drain_seconds:g} s)...")
     else:
         console.print("sixfold-serve: shutting down (answering queued requests)...")
+    if watcher is not None:
+        await watcher.stop()
     await server.stop()
     console.print("sixfold-serve: stopped")
     return 0

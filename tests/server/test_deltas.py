@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -384,3 +388,47 @@ def test_watched_folder_applies_in_order_and_skips_bad_ones(server, versions, an
     assert _sequence(server.url, "tiered") == "0"
     assert _same(_scores(server.url, "resident"), answers["v3"]["resident"])
     assert server.run(watcher.scan()) == 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.delta_cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_make_apply_rollback_and_a_watched_folder(tmp_path, versions, answers):
+    from tests.conftest import ServeProcess
+
+    made = _cli("make", str(versions / "v1"), str(versions / "v2"), "--out", str(tmp_path / "d"), "--model",
+                "resident", "--quiet")
+    assert made.returncode == 0, made.stderr
+    assert "sequence 0 -> 1" in made.stdout
+    shown = json.loads(_cli("show", str(tmp_path / "d")).stdout)
+    assert shown["model"] == "resident" and shown["rows"] == read_delta(versions / "d1").rows
+    repo = _repo(tmp_path / "repo", versions)
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    serve = ServeProcess("--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model",
+                         "resident", "--control-token", TOKEN, "--watch-deltas", str(watched), "--grpc-port", "0",
+                         "--metrics-port", "-1", "--backend", "simcard", "--max-queue-delay-us", "0")
+    try:
+        assert serve.url, serve.output
+        shutil.copytree(tmp_path / "d", tmp_path / "staged")
+        os.replace(tmp_path / "staged", watched / "d1")  # moved in whole
+        deadline = time.monotonic() + 120
+        while _sequence(serve.url, "resident") != "1" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _sequence(serve.url, "resident") == "1", serve.output
+        assert _same(_scores(serve.url, "resident"), answers["v2"]["resident"])
+        refused = _cli("rollback", "--url", serve.url, "--model", "resident", "--control-token", "wrong")
+        assert refused.returncode == 1 and "authorization" in refused.stderr
+        rolled = _cli("rollback", "--url", serve.url, "--model", "resident", "--control-token", TOKEN)
+        assert rolled.returncode == 0 and "serves delta sequence 0" in rolled.stdout, rolled.stderr
+        applied = _cli("apply", "--url", serve.url, "--model", "resident", "--control-token", TOKEN,
+                       str(tmp_path / "d"))
+        assert applied.returncode == 0 and "serves delta sequence 1" in applied.stdout, applied.stderr
+        again = _cli("apply", "--url", serve.url, "--model", "resident", "--control-token", TOKEN,
+                     str(tmp_path / "d"))
+        assert again.returncode == 1 and "serves sequence 1 already" in again.stderr
+        assert _same(_scores(serve.url, "resident"), answers["v2"]["resident"])
+    finally:
+        serve.kill()
