@@ -144,4 +144,9 @@ def print_measure(report: MeasureReport, console: Any) -> None:
         table.add_row(s.stage, s.device, f"{s.estimate_s * 1e3:.3f}", f"{s.measured_s * 1e3:.3f}",
                       f"{s.best_s * 1e3:.3f}", f"{s.ratio:.2f}")
     console.print(table)
+    for s in report.stages:
+        if not 0.67 <= s.ratio <= 1.5:  # NOTE: past 1.5x either way the plan's bound and bottleneck mislead
+            side = "slower" if s.ratio > 1 else "faster"
+            console.print(f"[yellow]{s.stage} runs {s.ratio:.1f}x {side} here than the plan estimates: its "
+                          "throughput bound and bottleneck are off by as much on this host[/]")
     console.print(f"calibrated spec: {report.spec}")

@@ -167,7 +167,7 @@ def test_measure_compares_the_plan_with_this_host_for_a_user_model(archive, tmp_
     assert partition_main([path, "--cards", "2", "--pooling", str(POOLING), "--batch-rows", "32", "--measure",
                            "--measure-seconds", "0.5", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "estimate vs measured" in text
+    assert "estimate vs measured" in text and "calibrated spec:" in text
     report = json.loads((out / "measure.json").read_text())
     assert report["model"] == "mixed" and report["batch_rows"] == 32
     stages = {s["stage"]: s for s in report["stages"]}
