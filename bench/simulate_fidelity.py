@@ -11,14 +11,15 @@ defaults, two ways:
 
 * **cost model**: host and host-dense stages priced by the host spec (``--host-spec``, default this
   VM's calibration), the front end by its default 60 us a request;
-* **measured stages**: the host stage and host-dense stage priced by lines fitted to their
-  measured times on this host (the server's own executables, in this process, before the run),
-  and the front end by 60 us plus the measured per-item cost of validating a request.
+* **calibrated**: the host stage and host-dense stage priced by lines fitted to their measured
+  times on this host (the server's own executables, in this process, before the run), and the
+  front end (transport, decode, validation: what the stages leave out) by a line through what lone
+  queries of 300, 500 and 700 items take on the idle server beyond the simulated stages.
 
 The machine is shared: the load average is reported with each figure. Goal: simulated p50 and
 p99 within 15% of measured.
 
-    .venv/bin/python bench/simulate_fidelity.py [--rates 20,40,80] [--duration 15] [--quick] [--no-write]
+    .venv/bin/python bench/simulate_fidelity.py [--rates 15,30,45] [--duration 15] [--quick] [--no-write]
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from server.process import ReadyProcess  # noqa: E402
 SECTION = "simulate-fidelity"
 COMMAND = ".venv/bin/python bench/simulate_fidelity.py"
 GOAL = 0.15
+PROBE_SIZES = (300, 500, 700)
+"""Lone-query sizes probed on the idle server (above the host-dense limit, 256: they always use the cards)."""
 SLOW_CARD = {
     "name": "slow-card", "kind": "card", "description": "a deliberately slow card: simcard never lags on 2 cores",
-    "memory_bytes": 4 << 30, "peak_flops": {"fp32": 1e10, "fp16": 1e10, "int8": 1e10},
+    "memory_bytes": 4 << 30, "peak_flops": {"fp32": 2e9, "fp16": 2e9, "int8": 2e9},
     "memory_bandwidth": 1e10, "link_bandwidth": 1e9, "link_latency_s": 50e-6, "efficiency": 0.5,
 }
 
@@ -67,6 +70,8 @@ def measure_stages(model: str, max_rows: int, cards: int, card_spec: str, host_s
     from server.validation import InputSpec, validate_request
 
     keep_freed_memory()
+    import torch
+    torch.set_num_threads(1)  # as the server runs here (OMP_NUM_THREADS=1)
     _, partitioned = partition_builtin(model, max_rows=max_rows, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec)
     plan = partitioned.plan
@@ -116,11 +121,20 @@ def measure_serving(args: argparse.Namespace, spec_path: str) -> list[dict[str, 
     metrics_port = free_port()
     cmd = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", args.model, "--max-rows",
            str(args.max_rows), "--cards", str(args.cards), "--card-spec", spec_path, "--host-spec", args.host_spec,
-           "--grpc-port", "0", "--http-port", "-1", "--metrics-port", str(metrics_port), "--log-level", "WARNING"]
-    server = ReadyProcess(cmd, timeout_s=300)
+           "--grpc-port", "0", "--http-port", "-1", "--metrics-port", str(metrics_port), "--log-level", "WARNING",
+           "--host-dense-max-rows", str(args.host_dense_max_rows)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    server = ReadyProcess(cmd, timeout_s=300, env=env)
     try:
         if not server.url:
             raise RuntimeError(f"sixfold-serve did not start:\n{server.output[-2000:]}")
+        probes = {}
+        for items in PROBE_SIZES:  # idle latency, one query at a time: what the front end adds to the stages
+            report = run_load(LoadConfig(url=server.url, model=args.model, qps=0, concurrency=1,
+                                         duration_s=args.probe_s, warmup_s=0.5, seed=args.seed,
+                                         query_size=f"fixed:{items}"))
+            probes[items] = report.latency_ms["p50"] / 1e3
+        args.probes = probes
         out = []
         for rate in args.rates:
             lag0 = lag_seconds(metrics_port)
@@ -138,7 +152,9 @@ def measure_serving(args: argparse.Namespace, spec_path: str) -> list[dict[str, 
 
 
 def simulate_rates(args: argparse.Namespace, spec_path: str, stages: dict[str, Any] | None) -> list[dict[str, Any]]:
-    from simulate import ServingSettings, build_platform, parse_traffic, run_at
+    from simulate import ServingSettings, build_platform, lone_query_ms, parse_traffic, run_at
+
+    settings = ServingSettings(host_dense_max_rows=args.host_dense_max_rows)
     from simulate.platform import fit_stage
 
     platform = build_platform(args.model, cards=args.cards, card_spec=spec_path, host_spec=args.host_spec,
@@ -148,12 +164,18 @@ def simulate_rates(args: argparse.Namespace, spec_path: str, stages: dict[str, A
         platform.host = fit_stage(platform.host, rows, stages["host"])
         if platform.host_dense is not None:
             platform.host_dense = fit_stage(platform.host_dense, rows, stages["host_dense"])
-        per_item = float(np.polyfit(np.asarray(rows, float), np.asarray(stages["validate"]), 1)[0])
-        platform.per_item_s = max(0.0, per_item)
+        # The front end: what an idle query takes on the real server beyond the simulated stages
+        # (transport, decode, validation), as a line over its items.
+        platform.per_request_s, platform.per_item_s = 0.0, 0.0
+        sizes = sorted(args.probes)
+        residual = [args.probes[n] - lone_query_ms(platform, n, settings) / 1e3 for n in sizes]
+        per_item, fixed = np.polyfit(np.asarray(sizes, float), np.asarray(residual), 1)
+        platform.per_request_s, platform.per_item_s = max(0.0, float(fixed)), max(0.0, float(per_item))
+        args.frontend = (platform.per_request_s, platform.per_item_s)
     traffic = parse_traffic("poisson", args.query_size)
     out = []
     for rate in args.rates:
-        r = run_at(platform, traffic, rate, duration_s=args.sim_duration, warmup_s=2.0, settings=ServingSettings(),
+        r = run_at(platform, traffic, rate, duration_s=args.sim_duration, warmup_s=2.0, settings=settings,
                    seed=args.seed)
         out.append({"rate": rate, "p50": r.latency_ms["p50"], "p99": r.latency_ms["p99"], "errors": r.errors,
                     "wall_s": r.wall_s, "utilisation": r.utilisation})
@@ -175,16 +197,20 @@ def render(args: argparse.Namespace, measured: list[dict], model_sim: list[dict]
         f"Command: `{COMMAND} {' '.join(args.argv)}` ({elapsed:.0f} s; "
         f"{machine_line(f'load average {load[0]:.1f} at start, {load[1]:.1f} at end')}).",
         f"Platform: `sixfold-serve --model {args.model} --max-rows {args.max_rows} --cards {args.cards} --card-spec "
-        f"slow-card.json --host-spec {args.host_spec}` (simcard; the slow card takes ~20 us an item, ~10x ONNX "
-        f"Runtime's real time here, so the cards never lag), default scheduling. Traffic: `loadgen.run_load`, Poisson, "
+        f"slow-card.json --host-spec host.json` with OMP_NUM_THREADS=1 --host-dense-max-rows "
+        f"{args.host_dense_max_rows} (simcard; the slow card takes ~90 us an item, ~50x ONNX Runtime's real time "
+        f"here, so the cards rarely lag: see the lag column), default scheduling otherwise; host.json: "
+        f"{args.host_label}. Traffic: `loadgen.run_load`, Poisson, "
         f"`{args.query_size}` sizes, {args.warmup:g} s warm-up + {args.duration:g} s measured per rate, seed {args.seed}. "
         f"Simulation: the same platform, traffic model and defaults, {args.sim_duration:g} virtual s per rate after 2 s "
-        f"warm-up, priced (a) by the cost model on `{args.host_spec}`, (b) with the host and host-dense stages "
-        f"and the per-item validation cost measured on this host just before (medians of {args.runs} runs at "
-        f"{', '.join(map(str, stages['rows']))} items; lines fitted). Ratio = simulated / measured; ✗ marks one "
-        f"outside {GOAL:.0%}.",
+        f"warm-up, priced (a) by the cost model on host.json (front end 60 us a request), (b) "
+        f"calibrated: the host and host-dense stages by lines through their times measured in this process just "
+        f"before (medians of {args.runs} runs at {', '.join(map(str, stages['rows']))} items), and the front end "
+        f"by a line through what lone queries of {', '.join(map(str, PROBE_SIZES))} items took on the idle server "
+        f"beyond the simulated stages ({args.frontend[0] * 1e3:.2f} ms + {args.frontend[1] * 1e6:.2f} us an item). "
+        f"Ratio = simulated / measured; ✗ marks one outside {GOAL:.0%}.",
         "",
-        "| q/s | measured p50 / p99 ms | sim, cost model p50 / p99 ms | ratio p50 / p99 | sim, measured stages "
+        "| q/s | measured p50 / p99 ms | sim, cost model p50 / p99 ms | ratio p50 / p99 | sim, calibrated "
         "p50 / p99 ms | ratio p50 / p99 | card lag in run (s) | load avg |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -196,8 +222,9 @@ def render(args: argparse.Namespace, measured: list[dict], model_sim: list[dict]
     host_ms = ", ".join(f"{r}: {h * 1e3:.2f}" for r, h in zip(stages["rows"], stages["host"]))
     dense_ms = ", ".join(f"{r}: {h * 1e3:.2f}" for r, h in zip(stages["rows"], stages["host_dense"]))
     val_ms = ", ".join(f"{r}: {h * 1e3:.2f}" for r, h in zip(stages["rows"], stages["validate"]))
+    probe_ms = ", ".join(f"{n}: {t * 1e3:.2f}" for n, t in sorted(args.probes.items()))
     lines += ["", f"Measured stage times (items: ms): host stage {host_ms}; host dense {dense_ms}; "
-                  f"validation {val_ms}."]
+                  f"validation {val_ms}; lone queries on the idle server (p50) {probe_ms}."]
     return "\n".join(lines)
 
 
@@ -206,13 +233,18 @@ def main() -> int:
     p.add_argument("--model", default="rm1")
     p.add_argument("--cards", type=int, default=2)
     p.add_argument("--max-rows", type=int, default=50_000)
-    p.add_argument("--host-spec", default="host-calibrated")
-    p.add_argument("--rates", default="20,40,80")
+    p.add_argument("--host-spec", default="calibrate",
+                   help="host spec for the server and the cost-model simulation (default: calibrate this host now)")
+    p.add_argument("--calibrate-s", type=float, default=10.0)
+    p.add_argument("--rates", default="15,30,45")
+    p.add_argument("--host-dense-max-rows", type=int, default=0,
+                   help="sixfold-serve's flag, for the server and the simulation (default 0: every batch on a card)")
     p.add_argument("--query-size", default="mlperf")
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--sim-duration", type=float, default=60.0)
     p.add_argument("--runs", type=int, default=9)
+    p.add_argument("--probe-s", type=float, default=4.0, help="seconds of lone queries per probed size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one short rate: a smoke run")
     p.add_argument("--no-write", action="store_true")
@@ -220,12 +252,19 @@ def main() -> int:
     args = p.parse_args()
     args.argv = sys.argv[1:]
     if args.quick:
-        args.rates, args.duration, args.sim_duration, args.runs = "20", 4.0, 10.0, 3
+        args.rates, args.duration, args.sim_duration, args.runs, args.probe_s = "20", 4.0, 10.0, 3, 2.0
     args.rates = [float(r) for r in args.rates.split(",")]
     started, load0 = time.perf_counter(), load_average()
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = str(Path(tmp) / "slow-card.json")
         Path(spec_path).write_text(json.dumps(SLOW_CARD))
+        if args.host_spec == "calibrate":  # this host now, 1 thread, as the server runs here
+            from backends.calibrate import calibrate_host
+            host_path = Path(tmp) / "host.json"
+            host_path.write_text(json.dumps(calibrate_host(args.calibrate_s, threads=1).to_dict()))
+            args.host_spec, args.host_label = str(host_path), f"this host calibrated with 1 thread ({args.calibrate_s:g} s)"
+        else:
+            args.host_label = args.host_spec
         stages = measure_stages(args.model, args.max_rows, args.cards, spec_path, args.host_spec,
                                 [32, 128, 300, 700], args.runs)
         measured = measure_serving(args, spec_path)

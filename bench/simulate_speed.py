@@ -5,7 +5,8 @@ not refused), sixfold-serve's default scheduling. Traffic: Poisson at 10,000 q/s
 seconds (+1 s warm-up), MLPerf query sizes (100..700 items: batches of ~3 queries, most split over
 cards) and, as a second case, 16-item queries (many queries a batch, no splitting). Wall and CPU
 time of the whole simulation (planning excluded: it is done once, before), the median of
-``--runs``; the machine is shared, so the load average is reported beside them.
+``--runs``; the machine is shared, so the load average is reported beside them. ``--jobs 2``
+simulates the window as two segments in two processes (CPU is the parent's alone there).
 
     .venv/bin/python bench/simulate_speed.py [--runs 3] [--seconds 60] [--quick] [--no-write]
 """
@@ -42,7 +43,7 @@ def main() -> int:
     platform = build_platform("dlrm-mlperf", cards=6, card_spec="gpu-l4", host_spec="host-cpu")
     load0 = os.getloadavg()[0]
     rows = []
-    for sizes in ("mlperf", "fixed:16"):
+    for sizes, jobs in (("mlperf", 1), ("mlperf", 2), ("fixed:16", 1)):
         traffic = parse_traffic("poisson", sizes)
         arrivals = traffic.draw(args.qps, args.seconds + 1.0, platform.ids_per_item, seed=0)
         walls, cpus, loads = [], [], []
@@ -50,13 +51,13 @@ def main() -> int:
         for _ in range(args.runs):
             loads.append(os.getloadavg()[0])
             w, c = time.perf_counter(), time.process_time()
-            result = simulate(platform, arrivals, settings=ServingSettings(), warmup_s=1.0)
+            result = simulate(platform, arrivals, settings=ServingSettings(), warmup_s=1.0, jobs=jobs)
             walls.append(time.perf_counter() - w)
             cpus.append(time.process_time() - c)
-            print(f"{sizes}: wall {walls[-1]:.1f} s, cpu {cpus[-1]:.1f} s", file=sys.stderr)
+            print(f"{sizes} x{jobs}: wall {walls[-1]:.1f} s, cpu {cpus[-1]:.1f} s", file=sys.stderr)
         assert result is not None
         wall, cpu = statistics.median(walls), statistics.median(cpus)
-        rows.append(f"| {sizes} | {len(arrivals):,} | {result.batches:,} | {result.card_batches:,} | "
+        rows.append(f"| {sizes} | {jobs} | {len(arrivals):,} | {result.batches:,} | {result.card_batches:,} | "
                     f"{result.events:,} | {wall:.1f} ({min(walls):.1f}-{max(walls):.1f}) | {cpu:.1f} | "
                     f"{(args.seconds + 1) / wall:.2f}x | {cpu / len(arrivals) * 1e6:.0f} | "
                     f"{result.latency_ms['p50']:.2f} / {result.latency_ms['p99']:.2f} | "
@@ -69,9 +70,9 @@ def main() -> int:
         f"{args.qps:,.0f} q/s, {args.seconds:g} virtual s + 1 s warm-up. Median of {args.runs} run(s) "
         "(range in brackets); planning excluded.",
         "",
-        "| query sizes | requests | batches | card batches | loop callbacks | wall s | CPU s | faster than real time "
+        "| query sizes | --jobs | requests | batches | card batches | loop callbacks | wall s | CPU s | faster than real time "
         "| CPU us / request | simulated p50 / p99 ms | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     publish(SECTION, text, write=not args.no_write)

@@ -150,7 +150,7 @@ def max_rate(platform: Platform, traffic: Traffic, p99_ms: float, *, duration_s:
     if step(hi):  # passes even at the bound: report it (the platform is faster than its plan-style bound)
         return answer
     while len(answer.steps) < max_steps and hi - lo > tolerance * max(hi, 1e-9):
-        mid = (lo + hi) / 2 if lo else hi / 2
+        mid = (lo + hi) / 2
         lo, hi = (mid, hi) if step(mid) else (lo, mid)
         if not lo and hi < capacity * 1e-4:
             break

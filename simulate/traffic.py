@@ -88,11 +88,10 @@ class Traffic:
             rate = self.own_rate
             if rate is None:
                 raise ValueError("--qps is required (the arrival process has no rate of its own)")
-        if isinstance(self.arrival, TraceArrivals):
-            offsets = self.arrival.offsets(rate, window_s, np.random.default_rng([seed, 1]))
-            if rate != self.arrival.mean_qps():
-                offsets = offsets * (self.arrival.mean_qps() / rate)
-                offsets = offsets[offsets < window_s]
+        if isinstance(self.arrival, TraceArrivals):  # replayed at ``rate``: its times scaled by own rate / rate
+            speed = rate / self.arrival.mean_qps()
+            offsets = self.arrival.offsets(rate, window_s * speed, np.random.default_rng([seed, 1])) / speed
+            offsets = offsets[offsets < window_s]
         else:
             offsets = self.arrival.offsets(rate, window_s, np.random.default_rng([seed, 1]))
         items = np.asarray(self.sizes.sample(np.random.default_rng([seed, 2]), offsets.size), dtype=np.int64)
