@@ -39,7 +39,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ import numpy as np
 
 from .checksums import file_checksum
 
-__all__ = ["DeltaError", "Delta", "TableDelta", "read_delta", "make_delta", "version_fingerprint",
+__all__ = ["DeltaError", "Delta", "TableDelta", "read_delta", "make_delta", "write_delta", "version_fingerprint",
            "DELTA_FILE", "FORMAT", "FORMAT_VERSION"]
 
 DELTA_FILE = "delta.json"
@@ -380,3 +380,48 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
         stop()
     return read_delta(out)
 
+
+
+def write_delta(out: str | Path, model: str, base_sequence: int, base_fingerprint: str,
+                tables: Mapping[int, tuple[np.ndarray, np.ndarray]], *,
+                precisions: Mapping[int, str] | None = None) -> Delta:
+    """Write a delta from rows a trainer knows it changed (no full versions to compare): the trainer-side flow.
+
+    ``tables``: table -> (row ids, fp32 rows). ``base_fingerprint``: what the model serves now (the
+    previous delta's ``fingerprint``, ``version_fingerprint(version_dir)`` for the first one, or the
+    served model's ``sixfold.delta_fingerprint`` parameter). ``precisions``: table -> int8/int4 to add
+    packed rows for tables served quantized. The new fingerprint chains the base and the delta's files.
+    """
+    out = Path(out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    digest = hashlib.sha256(base_fingerprint.encode())
+    entries = []
+    try:
+        for t, (ids, rows) in sorted(tables.items()):
+            ids = np.asarray(ids, np.int64)
+            order = np.argsort(ids, kind="stable")
+            ids, rows = ids[order], np.ascontiguousarray(np.asarray(rows, np.float32)[order])
+            entry: dict[str, Any] = {"table": int(t), "rows": int(ids.shape[0]), "dim": int(rows.shape[1]),
+                                     "ids": _write_npy(tmp / f"table_{t:03d}.ids.npy", ids),
+                                     "values": {"dtype": "float32", **_write_npy(tmp / f"table_{t:03d}.rows.npy", rows)}}
+            p = (precisions or {}).get(t)
+            if p in _PACKED:
+                entry["packed"] = {"precision": p, **_write_npy(tmp / f"table_{t:03d}.{p}.npy", _pack(p, rows))}
+            for key in ("ids", "values", "packed"):
+                if key in entry:
+                    digest.update(f"{t}:{key}={entry[key]['checksum']}\n".encode())
+            entries.append(entry)
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model,
+                "base": {"sequence": base_sequence, "fingerprint": base_fingerprint},
+                "sequence": base_sequence + 1, "fingerprint": "sha256:" + digest.hexdigest(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tables": entries}
+        (tmp / DELTA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return read_delta(out)

@@ -143,7 +143,7 @@ def _infer(client, name, request):
     return result.as_numpy("scores")
 
 
-def _scores(url, name):
+def _scores(url, name):  # noqa: D103
     client = grpcclient.InferenceServerClient(url)
     return [_infer(client, name, r) for r in REQUESTS]
 
@@ -432,3 +432,49 @@ def test_cli_make_apply_rollback_and_a_watched_folder(tmp_path, versions, answer
         assert _same(_scores(serve.url, "resident"), answers["v2"]["resident"])
     finally:
         serve.kill()
+
+
+def test_a_trainer_written_delta_chains_on_the_served_fingerprint(server, versions, answers, tmp_path):
+    """write_delta (rows a trainer knows it changed) on top of a made delta: the server takes the chain."""
+    from partitioner.deltas import write_delta
+
+    apply_delta(server.url, "resident", versions / "d1", token=TOKEN)
+    served = grpcclient.InferenceServerClient(server.url).get_model_config("resident", as_json=True)["config"]
+    fingerprint = served["parameters"]["sixfold.delta_fingerprint"]["string_value"]
+    d2 = read_delta(versions / "d2")
+    write_delta(tmp_path / "t2", "resident", 1, fingerprint, {t.table: (t.ids, t.values) for t in d2.tables})
+    assert apply_delta(server.url, "resident", tmp_path / "t2", token=TOKEN) == "2"
+    assert _same(_scores(server.url, "resident"), answers["v3"]["resident"])
+
+
+@pytest.mark.parametrize("memory", [None, "110KiB"])
+def test_int8_tables_take_the_packed_rows(tmp_path, memory):
+    """An int8 model: the delta carries packed rows (make quantizes them as the server would); resident and tiered."""
+    _, partitioned = partition_builtin("rm1", max_rows=ROWS, seed=2, cards=2, table_precision="int8")
+    write_artifacts(partitioned, tmp_path / "v1")
+    shutil.copytree(tmp_path / "v1", tmp_path / "v2")
+    _change(tmp_path / "v2", 4)
+    delta = make_delta(tmp_path / "v1", tmp_path / "v2", tmp_path / "d", model="q")
+    assert all(t.packed is not None and t.packed_precision == "int8" for t in delta.tables)
+    scores = {}
+    for version in ("v1", "v2"):
+        root = tmp_path / f"repo-{version}"
+        shutil.copytree(tmp_path / version, root / "q" / "1")
+        if memory:
+            (root / "q" / "config.pbtxt").write_text(
+                f'name: "q"\nparameters {{ key: "sixfold.table_memory" value {{ string_value: "{memory}" }} }}\n')
+        metrics, core = ServerMetrics(), InferenceCore()
+        core.control = ModelControl(core, ModelRepository(root), lambda r, n, v: load_from_repository(
+            r, n, v, backend="simcard", metrics=metrics, batching=BatchingConfig(max_queue_delay_microseconds=0)),
+            explicit=True)
+        background = BackgroundServer(core, ServerConfig(grpc_port=0, metrics_port=None), metrics).start()
+        try:
+            asyncio.run_coroutine_threadsafe(core.control.load("q"), background._loop).result(timeout=120)
+            scores[version] = _scores(background.url, "q")
+            if version == "v1":
+                assert apply_delta(background.url, "q", tmp_path / "d") == "1"
+                scores["applied"] = _scores(background.url, "q")
+        finally:
+            background.stop()
+    assert not _same(scores["v1"], scores["v2"])
+    assert _same(scores["applied"], scores["v2"])
