@@ -159,8 +159,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         popleft = ready.popleft
         for _ in range(todo):
             handle = popleft()
-            if not handle._cancelled:
-                handle._run()
+            if handle._cancelled:
+                continue
+            # NOTE: Handle._run inlined (one Python frame less per callback, ~12 callbacks a request)
+            try:
+                handle._context.run(handle._callback, *handle._args)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:  # as Handle._run: report it, keep the loop going
+                self.call_exception_handler({"message": f"Exception in callback {handle!r}", "exception": exc,
+                                             "handle": handle})
         handle = None  # noqa: F841 - breaks a cycle when a callback raised
 
 
