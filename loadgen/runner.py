@@ -43,7 +43,7 @@ ClientFactory = Callable[[str], Any]
 def generator_for(config: LoadConfig, shape: ModelShape) -> RequestGenerator:
     """The seeded request generator for ``config`` and ``shape`` (contents: seed + 1)."""
     return RequestGenerator(shape.table_rows, shape.dense_dim, shape.pooling, zipf=shape.zipf,
-                            seed=config.seed + 1)
+                            seed=config.seed + 1, fixed_pooling=shape.fixed_pooling)
 
 
 def _recorded_shape(recording: Recording) -> dict[str, Any]:

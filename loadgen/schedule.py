@@ -59,6 +59,7 @@ class PoolRecipe:
     drift: float = 0.0
     slices: int = 1
     slice_s: float = 1.0
+    fixed_pooling: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -76,11 +77,12 @@ class PoolRecipe:
                    zipf=tuple(float(z) for z in zipf) if isinstance(zipf, (list, tuple)) else float(zipf),
                    rng_state=dict(data["rng_state"]), sizes=tuple(int(n) for n in data["sizes"]),
                    drift=float(data.get("drift", 0.0)), slices=int(data.get("slices", 1)),
-                   slice_s=float(data.get("slice_s", 1.0)))
+                   slice_s=float(data.get("slice_s", 1.0)), fixed_pooling=bool(data.get("fixed_pooling", False)))
 
     def generator(self) -> RequestGenerator:
         """A RequestGenerator in the recorded state."""
-        generator = RequestGenerator(self.table_rows, self.dense_dim, self.pooling, zipf=self.zipf)
+        generator = RequestGenerator(self.table_rows, self.dense_dim, self.pooling, zipf=self.zipf,
+                                     fixed_pooling=self.fixed_pooling)
         kind = self.rng_state.get("bit_generator")
         if kind != type(generator.rng.bit_generator).__name__:
             bit_generator = getattr(np.random, str(kind), None)
@@ -189,7 +191,8 @@ def build_schedule(arrival: ArrivalProcess, qps: float, window_s: float, sizes: 
     zipf = generator.zipf if isinstance(generator.zipf, (int, float)) else tuple(float(z) for z in generator.zipf)
     recipe = PoolRecipe(tuple(int(r) for r in generator.table_rows), int(generator.dense_dim),
                         tuple(int(p) for p in generator.pooling), zipf, generator.rng.bit_generator.state,
-                        base_sizes, float(drift), slices, float(slice_s))
+                        base_sizes, float(drift), slices, float(slice_s),
+                        bool(generator.fixed_pooling))
     tensors = pool_tensors(recipe)
     items = list(base_sizes) * slices
     if slices > 1:

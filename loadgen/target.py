@@ -29,6 +29,8 @@ __all__ = ["ModelShape", "ShapeOverrides", "wait_until_ready", "discover_shape",
 PARAM_TABLE_ROWS = "sixfold.table_rows"
 PARAM_POOLING = "sixfold.pooling"
 PARAM_ZIPF = "sixfold.zipf"
+PARAM_FIXED_POOLING = "sixfold.fixed_pooling"
+"""``true`` for a model traced at one pooling: every (item, table) gets exactly ``pooling`` ids."""
 DEFAULT_POOLING = 1
 """Ids per (item, table) when neither the server nor --pooling says (one-hot, as MLPerf DLRM)."""
 DEFAULT_ZIPF = 1.05
@@ -55,6 +57,8 @@ class ModelShape:
     """One exponent for all tables, or one per table."""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     """Where each fact came from: ``metadata``, ``server``, ``flag`` or ``default``."""
+    fixed_pooling: bool = False
+    """Exactly ``pooling`` ids per (item, table) (the server's ``sixfold.fixed_pooling``)."""
 
     @property
     def num_tables(self) -> int:
@@ -63,7 +67,8 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         return {"dense_dim": self.dense_dim, "num_tables": self.num_tables, "table_rows": list(self.table_rows),
                 "pooling": list(self.pooling),
-                "zipf": list(self.zipf) if isinstance(self.zipf, tuple) else self.zipf, "sources": dict(self.sources)}
+                "zipf": list(self.zipf) if isinstance(self.zipf, tuple) else self.zipf,
+                "fixed_pooling": self.fixed_pooling, "sources": dict(self.sources)}
 
 
 def _status(exc: InferenceServerException) -> str:
@@ -181,7 +186,11 @@ def shape_from(metadata: Any, config: Any, overrides: ShapeOverrides = ShapeOver
             raise LoadgenError(f"server parameter {PARAM_ZIPF}={text!r} is not a number") from None
     else:
         zipf, sources["zipf"] = DEFAULT_ZIPF, "default"
-    return ModelShape(dense_dim, rows, pooling, zipf, sources)
+    fixed = (_param(config, PARAM_FIXED_POOLING) or "").strip().lower() == "true"
+    if fixed and sources["pooling"] == "flag":
+        raise LoadgenError(f"this model was traced at pooling {list(pooling)} ({PARAM_FIXED_POOLING}): "
+                           "it takes exactly that many ids per item and table; drop --pooling")
+    return ModelShape(dense_dim, rows, pooling, zipf, sources, fixed_pooling=fixed)
 
 
 async def discover_shape(client: Any, model: str, version: str = "",

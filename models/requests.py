@@ -154,7 +154,7 @@ class RequestGenerator:
     """
 
     def __init__(self, table_rows: tuple[int, ...], dense_dim: int, pooling: tuple[int, ...],
-                 *, zipf: float | tuple[float, ...] = 1.05, seed: int = 0) -> None:
+                 *, zipf: float | tuple[float, ...] = 1.05, seed: int = 0, fixed_pooling: bool = False) -> None:
         if len(pooling) != len(table_rows):
             raise ValueError(f"{len(pooling)} pooling factors for {len(table_rows)} tables")
         self.table_rows = np.asarray(table_rows, dtype=np.int64)
@@ -163,6 +163,8 @@ class RequestGenerator:
         if not isinstance(zipf, (int, float)) and len(zipf) not in (1, len(table_rows)):
             raise ValueError(f"{len(zipf)} zipf exponents for {len(table_rows)} tables")
         self.zipf = zipf
+        self.fixed_pooling = fixed_pooling
+        """Exactly ``pooling`` ids per (item, table): a model traced at one pooling may reshape by it."""
         self.rng = np.random.default_rng(seed)
 
     @classmethod
@@ -174,7 +176,10 @@ class RequestGenerator:
         return len(self.table_rows)
 
     def lengths(self, items: int) -> np.ndarray:
-        """Ids per (sample, table): exactly 1 for one-hot tables, else uniform in [p/2, 3p/2]."""
+        """Ids per (sample, table): exactly 1 for one-hot tables, else uniform in [p/2, 3p/2]
+        (exactly p with ``fixed_pooling``)."""
+        if self.fixed_pooling:
+            return np.tile(self.pooling.astype(np.int32), (items, 1))
         low = np.maximum(1, self.pooling // 2)
         high = np.maximum(low, self.pooling + self.pooling // 2)
         lengths = self.rng.integers(low, high + 1, size=(items, self.num_tables))

@@ -52,3 +52,28 @@ def test_not_a_recommendation_model():
     other = service_pb2.ModelMetadataResponse(name="resnet", inputs=[T(name="image", datatype="FP32", shape=[3])])
     with pytest.raises(LoadgenError, match="no input 'dense_features'.*image FP32"):
         shape_from(other, None)
+
+
+def test_a_model_traced_at_one_pooling_gets_exactly_that_many_ids():
+    import numpy as np
+
+    from loadgen import LoadConfig, plan_run
+    from loadgen.runner import generator_for
+    from loadgen.schedule import PoolRecipe, pool_tensors
+
+    shape = shape_from(metadata(), config(table_rows="10,20,30,40", pooling="1,2,3,4", fixed_pooling="true"))
+    assert shape.fixed_pooling and shape.to_dict()["fixed_pooling"] is True
+    load = LoadConfig(url="127.0.0.1:1", model="m", qps=50.0, duration_s=1.0, query_size="uniform:1-9")
+    schedule = plan_run(load, shape, lambda request: b"")
+    recipe = schedule.pool.recipe
+    assert recipe.fixed_pooling
+    for query in pool_tensors(PoolRecipe.from_dict(recipe.to_dict())):  # also as a recording rebuilds it
+        lengths = query["sparse_lengths"]
+        assert (lengths == np.array([1, 2, 3, 4], dtype=np.int32)).all() and query["sparse_indices"].size == lengths.sum()
+    assert (generator_for(load, shape).lengths(5) == [1, 2, 3, 4]).all()
+    # Without the parameter the pooling varies around the factors (uniform in [p/2, 3p/2]).
+    free = generator_for(load, shape_from(metadata(), config(table_rows="10,20,30,40", pooling="1,2,3,4")))
+    assert not (free.lengths(200) == [1, 2, 3, 4]).all()
+    with pytest.raises(LoadgenError, match="drop --pooling"):
+        shape_from(metadata(), config(table_rows="10,20,30,40", pooling="1,2,3,4", fixed_pooling="true"),
+                   ShapeOverrides(pooling=(2,)))
