@@ -184,6 +184,7 @@ class DeltaLog:
                                     sorted(self.stage.packed))
             except DeltaError as exc:
                 raise DeltaRejected(str(exc)) from None
+            checked = time.perf_counter()
             swap, entry = await asyncio.to_thread(self._prepare_apply, delta)
             entries = [*self.entries, entry]
             try:
@@ -191,16 +192,18 @@ class DeltaLog:
             except BaseException:
                 shutil.rmtree(self.folder / entry.name, ignore_errors=True)
                 raise
+            prepared = time.perf_counter()
             held = await self._swap(swap)
             self.entries = entries
             self._publish()
             took = time.perf_counter() - t0
             log.info("model %s version %s: delta %d applied (%d rows in %d tables; %.3f s, host stage held %.1f ms)",
                      self.served.name, self.served.version, delta.sequence, delta.rows, len(delta.tables), took,
-                     held * 1e3, extra={"event": "delta_applied", "model": self.served.name,
-                                        "sequence": delta.sequence})
+                     held["held_seconds"] * 1e3, extra={"event": "delta_applied", "model": self.served.name,
+                                                        "sequence": delta.sequence})
             return {"model": self.served.name, "version": self.served.version, "sequence": self.sequence,
-                    "rows": delta.rows, "seconds": took, "held_seconds": held}
+                    "rows": delta.rows, "seconds": took, "check_seconds": checked - t0,
+                    "prepare_seconds": prepared - checked, **held}
 
     def _check_order(self, delta: Delta) -> None:
         where = delta.path / DELTA_FILE
@@ -254,11 +257,19 @@ class DeltaLog:
             raise
         return swap, _Entry(name, delta.sequence, delta.fingerprint, delta.base_fingerprint)
 
-    async def _swap(self, swap: Any) -> float:
+    async def _swap(self, swap: Any) -> dict[str, float]:
+        """Commit ``swap`` between batches: seconds waiting for batches in the host stage, and committing."""
         t0 = time.perf_counter()
-        await self.served.runtime.between_batches(lambda: asyncio.to_thread(swap.commit))
-        self.last_apply_s = time.perf_counter() - t0
-        return self.last_apply_s
+        started = []
+
+        def commit() -> Any:
+            started.append(time.perf_counter())
+            return asyncio.to_thread(swap.commit)
+
+        await self.served.runtime.between_batches(commit)
+        end = time.perf_counter()
+        self.last_apply_s = end - t0
+        return {"held_seconds": end - t0, "wait_seconds": started[0] - t0, "commit_seconds": end - started[0]}
 
     async def rollback(self) -> dict[str, Any]:
         """Undo the last applied delta (its replaced rows back, the log one entry shorter)."""
@@ -284,7 +295,7 @@ class DeltaLog:
                      extra={"event": "delta_rolled_back", "model": self.served.name, "sequence": self.sequence})
             return {"model": self.served.name, "version": self.served.version, "sequence": self.sequence,
                     "rows": sum(ids.shape[0] for ids, _ in updates.values()),
-                    "seconds": time.perf_counter() - t0, "held_seconds": held}
+                    "seconds": time.perf_counter() - t0, **held}
 
 
 def _fsync_tree(folder: Path) -> None:
