@@ -29,6 +29,7 @@ Usage (the CLI the partitioner wires as ``sixfold-partition calibrate``)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -387,7 +388,13 @@ def auto_host_spec(seconds_budget: float | None = None) -> DeviceSpec:
     budget = seconds_budget or float(os.environ.get("SIXFOLD_CALIBRATE_SECONDS", "10"))
     target = cache_dir() / f"host-{machine_key()}.json"
     print(f"sixfold: calibrating this host once ({budget:g} s); cached in {target}", file=sys.stderr)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     spec = calibrate_host(budget, name=f"host-auto-{machine_key()}")
+    load = max(load, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+    spec = dataclasses.replace(spec, description=f"{spec.description}; load average {load:.1f} while measured")
+    if load > (os.cpu_count() or 1):
+        print(f"sixfold: warning: the host was busy while calibrated (load average {load:.1f} on {os.cpu_count()} "
+              f"CPUs), so its figures are slow; delete {target} to measure again when it is quiet", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
