@@ -60,55 +60,74 @@ def write_table(path: Path, rows: int, dim: int, chunks: Iterator[np.ndarray], *
     """
     from backends.host_embedding import bytes_per_row
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     if packed_only and precision not in ("int8", "int4"):
         raise ValueError(f"packed_only needs int8 or int4 rows, not {precision}")
-    out = None if packed_only else np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(rows, dim))
-    qout = qtmp = qpath = None
+    outputs: list[_NpyWriter] = []
+    if not packed_only:
+        outputs.append(_NpyWriter(path, np.float32, (rows, dim), lambda c: c))
     if precision != "fp32":
-        qpath = path if packed_only else path.parent / precision / path.name
-        qpath.parent.mkdir(parents=True, exist_ok=True)
-        qtmp = qpath.with_name(qpath.name + f".tmp{os.getpid()}")
         width = dim if precision == "fp16" else bytes_per_row(precision, dim)
-        qout = np.lib.format.open_memmap(qtmp, mode="w+", dtype=np.float16 if precision == "fp16" else np.uint8,
-                                         shape=(rows, width))
-    start = 0
-    for chunk in chunks:
-        n = chunk.shape[0]
-        if out is not None:
-            out[start:start + n] = chunk
-        if qout is not None:
-            qout[start:start + n] = _quantize(chunk, precision)
-        start += n
-        advance(n * dim * 4)
-        if start % (16 * _CHUNK_ROWS) < n:  # NOTE: written pages go to disk and leave the page cache
-            for array in (out, qout):
-                if array is not None:
-                    array.flush()
-                    _drop(array)
-    if start != rows:
-        raise ValueError(f"{path}: {start} rows written, {rows} expected")
-    for array, src, dst in ((out, tmp, path), (qout, qtmp, qpath)):
-        if array is not None:
-            array.flush()
-            _drop(array)
-            del array
-            os.replace(src, dst)  # type: ignore[arg-type]
-    if qpath is not None and not packed_only:
-        os.utime(qpath)  # newer than its source: the host stage uses it as is
-
-
-def _drop(array: np.memmap) -> None:
+        qpath = path if packed_only else path.parent / precision / path.name
+        outputs.append(_NpyWriter(qpath, np.float16 if precision == "fp16" else np.uint8, (rows, width),
+                                  lambda c: _quantize(c, precision)))
     try:
-        fd = os.open(array.filename, os.O_RDONLY)
+        start = 0
+        for chunk in chunks:
+            for w in outputs:
+                w.write(chunk)
+            start += chunk.shape[0]
+            advance(chunk.shape[0] * dim * 4)
+        if start != rows:
+            raise ValueError(f"{path}: {start} rows written, {rows} expected")
+        for w in outputs:
+            w.commit()
+        if len(outputs) == 2:
+            os.utime(outputs[1].path)  # newer than its fp32 source: the host stage uses it as is
+    finally:
+        for w in outputs:
+            w.abort()
+
+
+class _NpyWriter:
+    """A .npy file written front to back with plain writes (never mapped: written pages are dropped
+    from the page cache every 64 MiB, so writing a 5 GB table costs no 5 GB of RSS or cache)."""
+
+    def __init__(self, path: Path, dtype: Any, shape: tuple[int, int], convert: Callable[[np.ndarray], np.ndarray]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.convert = path, convert
+        self.tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        self.file = open(self.tmp, "wb")
+        np.lib.format.write_array_header_1_0(self.file, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                         "fortran_order": False, "shape": shape})
+        self.dtype = np.dtype(dtype)
+        self.pending = 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        data = np.ascontiguousarray(self.convert(chunk), dtype=self.dtype)
+        self.file.write(memoryview(data).cast("B"))
+        self.pending += data.nbytes
+        if self.pending >= 64 << 20:
+            self._drop()
+
+    def _drop(self) -> None:
+        self.file.flush()
+        fd = self.file.fileno()
+        os.fdatasync(fd)
         try:
-            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    except (OSError, AttributeError, TypeError):
-        pass
+        except (OSError, AttributeError):
+            pass
+        self.pending = 0
+
+    def commit(self) -> None:
+        self._drop()
+        self.file.close()
+        os.replace(self.tmp, self.path)  # atomic: a reader sees no half-written table
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+            self.tmp.unlink(missing_ok=True)
 
 
 def _quantize(chunk: np.ndarray, precision: str) -> np.ndarray:
