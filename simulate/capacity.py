@@ -3,9 +3,11 @@
 * ``latency_curve``: one run per offered rate (p50/p99/p99.9, utilisation, queueing).
 * ``max_rate``: the highest rate whose p99 stays within a bound, by bisection. Every step
   draws its traffic from the same seed, so steps differ only by the rate (common random
-  numbers). A step passes when its p99 is within the bound and at most ``max_error_rate``
-  of its requests were refused or failed (sixfold-loadgen's rule; admission refuses load
-  the server cannot serve in time, so an overloaded step fails by its errors).
+  numbers). A step passes when its p99 is within the bound, at most ``max_error_rate`` of its
+  requests were refused or failed (sixfold-loadgen's rule; admission refuses load the server
+  cannot serve in time, so an overloaded step fails by its errors), and no device (cards,
+  host stage, event loop) was busy 99% of the window or more: a saturated queue only grows,
+  and a short run would not show it.
 * ``fewest_cards``: the smallest card count (binary search over 1..``max_cards``, more cards
   never hurting) whose run at the target rate passes, per card spec and precision.
 
@@ -95,9 +97,14 @@ def lone_query_ms(platform: Platform, items: int, settings: ServingSettings) -> 
     return float(result.latency_ms["max"])
 
 
+SATURATED = 0.99
+"""A device busy this share of the window fails the step: its queue only grows, however short the run."""
+
+
 def _passes(result: RunResult, bound_ms: float, max_error_rate: float) -> bool:
     p99 = result.latency_ms["p99"]
-    return p99 is not None and p99 <= bound_ms and result.error_rate <= max_error_rate
+    busiest = max(result.utilisation.values(), default=0.0)
+    return p99 is not None and p99 <= bound_ms and result.error_rate <= max_error_rate and busiest < SATURATED
 
 
 def latency_curve(platform: Platform, traffic: Traffic, rates: Sequence[float], *, duration_s: float,

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from .capacity import CardsAnswer, MaxRate
@@ -169,8 +168,3 @@ def plot_cards(answers: Sequence[tuple[str, CardsAnswer]], qps: float, p99_ms: f
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
-
-
-def print_tables(console: Console, *tables: Table) -> None:
-    for table in tables:
-        console.print(table)
