@@ -118,9 +118,11 @@ class Platform:
     def throughput_items_per_s(self) -> float:
         """The plan-style bound at 256-item batches: the slowest of host, lanes and event loop."""
         rows = 256
-        host = rows / self.host.seconds(rows)
-        lanes = sum(rows / max(s.seconds(rows) for s in lane) for lane in self.lanes)
-        return min(host, lanes)
+
+        def rate(seconds: float) -> float:
+            return rows / seconds if seconds > 0 else float("inf")
+
+        return min(rate(self.host.seconds(rows)), sum(rate(max(s.seconds(rows) for s in lane)) for lane in self.lanes))
 
     def describe(self) -> str:
         rows = 256
