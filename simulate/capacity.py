@@ -107,14 +107,14 @@ def _passes(result: RunResult, bound_ms: float, max_error_rate: float) -> bool:
     return p99 is not None and p99 <= bound_ms and result.error_rate <= max_error_rate and busiest < SATURATED
 
 
-def latency_curve(platform: Platform, traffic: Traffic, rates: Sequence[float], *, duration_s: float,
+def latency_curve(platform: Platform, traffic: Traffic, rates: Sequence[float | None], *, duration_s: float,
                   warmup_s: float, settings: ServingSettings, seed: int = 0,
                   progress: Progress | None = None, jobs: int = 1) -> list[RunResult]:
     """One run per rate, in order."""
     out = []
     for rate in rates:
         if progress:
-            progress(f"{platform.label}: {rate:,.0f} q/s")
+            progress(f"{platform.label}: {'its own rate' if rate is None else f'{rate:,.0f} q/s'}")
         out.append(run_at(platform, traffic, rate, duration_s=duration_s, warmup_s=warmup_s, settings=settings,
                           seed=seed, jobs=jobs))
     return out

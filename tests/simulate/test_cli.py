@@ -86,3 +86,14 @@ def test_precision_and_spec_change_the_platforms_prices() -> None:
     est = {d.device: d.batch_seconds for d in base.plan.estimates.per_device}
     assert base.lanes[0][0].seconds(base.plan.estimates.batch_rows) == pytest.approx(est["card0"])
     assert base.host.seconds(base.plan.estimates.batch_rows) == pytest.approx(est["host"])
+
+
+def test_a_trace_runs_at_its_own_rate_without_qps(tmp_path, capsys) -> None:
+    trace = tmp_path / "times.txt"
+    trace.write_text("\n".join(str(i * 0.02) for i in range(20)))
+    out = tmp_path / "trace.json"
+    code = main(["run", "--model", "rm1", "--cards", "1", *SHORT, "--host-spec", "host-cpu", "--arrival",
+                 f"trace:{trace}", "--query-size", "fixed:20", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    run = json.loads(out.read_text())["results"][0]["runs"][0]
+    assert run["rate"] == pytest.approx(50.0)
