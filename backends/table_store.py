@@ -245,7 +245,7 @@ class TieredRows:
         self.direct = False
         for t in self.tables:
             fd = -1
-            if direct and hasattr(os, "O_DIRECT") and t.offset % 1 == 0:
+            if direct and hasattr(os, "O_DIRECT"):
                 try:
                     fd = os.open(t.path, os.O_RDONLY | os.O_DIRECT)
                     self.direct = True
