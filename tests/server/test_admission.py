@@ -77,11 +77,15 @@ async def test_the_work_bound_refuses_the_request_that_would_exceed_it_and_quote
     assert model.batches == [1] and batcher.queued_work_s == 0
     running += [asyncio.ensure_future(batcher.submit(_request(1), 1)) for _ in range(3)]
     await _settle()
-    assert batcher.queued == 3 and batcher.queued_work_s == pytest.approx(0.030)  # exactly at the bound: admitted
-    with pytest.raises(Overloaded, match=r"30\.0 ms of work waiting ahead and this request's 10\.0 ms would exceed "
-                                         r"max_queue_work_ms 30"):
+    assert batcher.queued == 3 and batcher.queued_work_s == pytest.approx(0.030)
+    # 30 ms ahead, exactly at the bound: admitted (its own 10 ms is its service, not a wait)
+    running.append(asyncio.ensure_future(batcher.submit(_request(1), 1)))
+    await _settle()
+    assert batcher.queued == 4 and batcher.queued_work_s == pytest.approx(0.040)
+    with pytest.raises(Overloaded, match=r"40\.0 ms of work waiting ahead exceeds max_queue_work_ms 30 \(estimated "
+                                         r"at the measured service rate; this request's own 10\.0 ms not counted\)"):
         batcher.enqueue(_request(1), 1)
-    assert batcher.queued == 3 and batcher.queued_work_s == pytest.approx(0.030)  # the refusal holds nothing
+    assert batcher.queued == 4 and batcher.queued_work_s == pytest.approx(0.040)  # the refusal holds nothing
     model.gate.set()
     await _drain(running)
     assert batcher.queued_work_s == 0 and batcher.queued_bytes == 0
@@ -102,11 +106,10 @@ async def test_estimates_are_rescaled_by_the_measured_service_rate() -> None:
     model.gate.clear()
     running = [asyncio.ensure_future(batcher.submit(_request(1), 1))]
     await _settle()  # on the card
-    running += [asyncio.ensure_future(batcher.submit(_request(1), 1)) for _ in range(3)]  # 3 wait: 30 ms
+    running += [asyncio.ensure_future(batcher.submit(_request(1), 1)) for _ in range(4)]  # 4 wait: 40 ms
     await _settle()
-    assert batcher.queued == 3 and batcher.queued_work_s == pytest.approx(0.030)
-    with pytest.raises(Overloaded, match=r"30\.0 ms of work waiting ahead and this request's 10\.0 ms would "
-                                         r"exceed max_queue_work_ms 35"):
+    assert batcher.queued == 4 and batcher.queued_work_s == pytest.approx(0.040)
+    with pytest.raises(Overloaded, match=r"40\.0 ms of work waiting ahead exceeds max_queue_work_ms 35"):
         batcher.enqueue(_request(1), 1)
     model.gate.set()
     await _drain(running)
