@@ -33,12 +33,13 @@ rows are), and writes only the rows whose bytes differ.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
+import io
 import json
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +129,8 @@ class Delta:
                                      f"table {t.table} of dim {dim} needs {width}")
 
 
-def _crc_entry(folder: Path, entry: Any, field_name: str) -> Path:
+def _crc_entry(folder: Path, entry: Any, field_name: str) -> tuple[Path, np.ndarray]:
+    """The entry's file, checked against its checksum, and its array (the file is read once)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not isinstance(entry.get("checksum"), str):
         raise DeltaError(f"{folder / DELTA_FILE}: {field_name} must be an object with 'file' and 'checksum'")
     name = entry["file"]
@@ -137,16 +139,13 @@ def _crc_entry(folder: Path, entry: Any, field_name: str) -> Path:
     path = folder / name
     if not path.is_file():
         raise DeltaError(f"{path}: missing ({field_name} in {DELTA_FILE} names it)")
-    got = file_checksum(path)
+    data = path.read_bytes()
+    got = f"crc32:{zlib.crc32(data):08x}:{len(data)}"
     if got != entry["checksum"]:
         raise DeltaError(f"{path}: checksum mismatch: {got}, {DELTA_FILE} records {entry['checksum']}")
-    return path
-
-
-def _load_npy(path: Path) -> np.ndarray:
     try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
+        return path, np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
         raise DeltaError(f"{path}: not a readable .npy file ({exc})") from None
 
 
@@ -200,16 +199,14 @@ def read_delta(folder: str | Path) -> Delta:
             raise DeltaError(f"{where}: table {table} appears twice in 'tables'")
         seen.add(table)
         count = _int(entry, "rows", where)
-        ids = _load_npy(_crc_entry(folder, entry.get("ids"), f"{label}.ids"))
-        ids_file = folder / entry["ids"]["file"]
+        ids_file, ids = _crc_entry(folder, entry.get("ids"), f"{label}.ids")
         if ids.dtype != np.int64 or ids.ndim != 1 or ids.shape[0] != count:
             raise DeltaError(f"{ids_file}: expected int64 [{count}] ids, got {ids.dtype} {list(ids.shape)}")
         if count > 1 and not bool(np.all(ids[1:] > ids[:-1])):
             raise DeltaError(f"{ids_file}: ids must be ascending and distinct (a row changes once per delta)")
         values = packed = precision = None
         if entry.get("values") is not None:
-            path = _crc_entry(folder, entry["values"], f"{label}.values")
-            values = _load_npy(path)
+            path, values = _crc_entry(folder, entry["values"], f"{label}.values")
             if values.dtype != np.float32 or values.ndim != 2 or values.shape[0] != count:
                 raise DeltaError(f"{path}: expected float32 [{count}, dim] rows, got {values.dtype} "
                                  f"{list(values.shape)}")
@@ -217,11 +214,10 @@ def read_delta(folder: str | Path) -> Delta:
             if dim is not None and values.shape[1] != dim:
                 raise DeltaError(f"{path}: rows of dim {values.shape[1]}, {DELTA_FILE} says dim {dim}")
         if entry.get("packed") is not None:
-            path = _crc_entry(folder, entry["packed"], f"{label}.packed")
+            path, packed = _crc_entry(folder, entry["packed"], f"{label}.packed")
             precision = entry["packed"].get("precision")
             if precision not in _PACKED:
                 raise DeltaError(f"{where}: {label}.packed.precision must be one of {_PACKED}, got {precision!r}")
-            packed = _load_npy(path)
             if packed.dtype != np.uint8 or packed.ndim != 2 or packed.shape[0] != count:
                 raise DeltaError(f"{path}: expected uint8 [{count}, bytes] {precision} rows, got {packed.dtype} "
                                  f"{list(packed.shape)}")

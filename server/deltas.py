@@ -13,6 +13,9 @@ delta (``partitioner.deltas``), under the model's delta lock:
 4. swap between two host-stage batches (``PlanRuntime.between_batches``): every request is
    scored with the old rows or the new ones, never a mix; batches wait only for the swap.
 
+Steps 1-3 run on one worker thread at a lower CPU priority (niceness ``NICE``), so on a busy
+host they take the CPU serving leaves; the swap itself runs at normal priority.
+
 Why a log rather than rewriting the table files: the base files stay as ``sixfold-partition``
 wrote them (their plan.json checksums hold, and the version a rollback returns to is on disk),
 a delta costs its own bytes to persist (1% of the rows, not every table it touches), and a
@@ -28,12 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +82,26 @@ class _Entry:
     sequence: int
     fingerprint: str
     base_fingerprint: str
+
+
+_POOL: ThreadPoolExecutor | None = None
+NICE = 10
+"""Delta work off the serving path (checks, conversion, persisting, page faults) runs at this niceness."""
+
+
+def _lower_priority() -> None:
+    try:  # NOTE: Linux: a thread's own niceness; serving threads win the CPU from delta work
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _background(fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` on the delta worker thread (one, at a lower CPU priority than serving)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="sixfold-delta", initializer=_lower_priority)
+    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args))
 
 
 class DeltaLog:
@@ -175,7 +201,7 @@ class DeltaLog:
         async with self._lock_now():
             t0 = time.perf_counter()
             try:
-                delta = await asyncio.to_thread(read_delta, folder)
+                delta = await _background(read_delta, folder)
             except DeltaError as exc:
                 raise DeltaRejected(str(exc)) from None
             self._check_order(delta)
@@ -185,10 +211,10 @@ class DeltaLog:
             except DeltaError as exc:
                 raise DeltaRejected(str(exc)) from None
             checked = time.perf_counter()
-            swap, entry = await asyncio.to_thread(self._prepare_apply, delta)
+            swap, entry = await _background(self._prepare_apply, delta)
             entries = [*self.entries, entry]
             try:
-                await asyncio.to_thread(self._write_state, entries)
+                await _background(self._write_state, entries)
             except BaseException:
                 shutil.rmtree(self.folder / entry.name, ignore_errors=True)
                 raise
@@ -281,15 +307,15 @@ class DeltaLog:
                                       "back (sequence 0)")
             t0 = time.perf_counter()
             last = self.entries[-1]
-            updates, sources = await asyncio.to_thread(self._entry_updates, last.name, "undo")
-            swap = await asyncio.to_thread(prepare, self.stage, updates, sources, undo=False)
+            updates, sources = await _background(self._entry_updates, last.name, "undo")
+            swap = await _background(functools.partial(prepare, undo=False), self.stage, updates, sources)
             entries = self.entries[:-1]
-            await asyncio.to_thread(self._write_state, entries)
+            await _background(self._write_state, entries)
             held = await self._swap(swap)
             self.entries = entries
             self._publish()
             # NOTE: a tiered store's overlay may still map its files: POSIX keeps a mapped file until unmapped.
-            await asyncio.to_thread(shutil.rmtree, self.folder / last.name, True)
+            await _background(shutil.rmtree, self.folder / last.name, True)
             log.info("model %s version %s: delta %d rolled back to sequence %d", self.served.name,
                      self.served.version, last.sequence, self.sequence,
                      extra={"event": "delta_rolled_back", "model": self.served.name, "sequence": self.sequence})
