@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true", help="calibrate this host, then time each stage of the plan "
                    "on it and print estimate vs measured (writes OUT/measure.json)")
     p.add_argument("--measure-seconds", type=float, default=3.0, help="calibration budget for --measure")
+    p.add_argument("--table-memory", action="append", default=[], metavar="BYTES",
+                   help="also print the table tiers: the row cache's hit rate, disk reads and host time per batch "
+                        "at this table memory (512MiB, 4GiB, 10%%; repeat for several)")
+    p.add_argument("--disk-spec", default=None, help="disk JSON for the tier table (sixfold-partition calibrate "
+                                                     "--disk DIR); default: a generic NVMe SSD")
+    p.add_argument("--zipf", type=float, default=None, help="id skew for the tier table (default: the model's)")
     p.add_argument("--out", help="output folder (a model-repository version folder); required unless --plan-only")
     p.add_argument("--plan-only", action="store_true",
                    help="plan and explain, but compile no artifacts (no ONNX export); with --out, write plan.json only")
@@ -75,12 +81,40 @@ def _replan(args: argparse.Namespace, plan, host, card):
     return replanned
 
 
+def _take_disk_options(argv: list[str]) -> tuple[list[str], str | None, str]:
+    rest, disk, out = [], None, "disk.json"
+    it = iter(argv)
+    for a in it:
+        if a == "--disk":
+            disk = next(it, None)
+        elif a == "--disk-out":
+            out = next(it, out)
+        else:
+            rest.append(a)
+    return rest, disk, out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["calibrate"]:
-        # Measure this host (FLOP/s, memory and gather bandwidth) and write a device spec.
+        # Measure this host (FLOP/s, memory and gather bandwidth) and write a device spec;
+        # --disk DIR also measures the disk under DIR for the table tiers (--disk-out FILE, default disk.json).
         from backends.calibrate import main as calibrate
-        return calibrate(argv[1:])
+        rest, disk, disk_out = _take_disk_options(argv[1:])
+        code = calibrate(rest)
+        if code == 0 and disk:
+            from .tiers import measure_disk
+            spec = measure_disk(disk)
+            Path(disk_out).write_text(spec.to_json() + "\n")
+            print(f"disk under {disk}: {spec.iops:,.0f} random 4 KiB reads/s at {spec.depth} readers, "
+                  f"{spec.read_latency_s * 1e6:.0f} us at one; wrote {disk_out}", file=sys.stderr)
+        return code
+    if argv[:1] == ["tables"]:  # build a model's tables to disk in chunks, or import a user's (table_build)
+        from .table_build import main as tables
+        return tables(argv[1:])
+    if argv[:1] == ["tiers"]:  # price a plan's table tiers, or measure a disk (partitioner.tiers)
+        from .tiers import main as tiers
+        return tiers(argv[1:])
     args = _parser().parse_args(argv)
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 120)  # plans are wide
     err = Console(stderr=True)
@@ -154,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         print_measure(measured, console)
         console.print(f"wrote {measured.save(path.parent / 'measure.json')}"
                       + (" (table shards on cards not measured)" if args.sparse_on_cards else ""))
+    if args.table_memory and partitioned.plan.tables.get("rows"):
+        from .tiers import print_plan_tiers
+        print_plan_tiers(partitioned.plan, args.table_memory, disk_spec=args.disk_spec, zipf=args.zipf,
+                         console=console)
     if args.draw:
         from .draw import draw_partitioned
         plan = partitioned.plan

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["DiskSpec", "TierEstimate", "measure_disk", "zipf_hit_rate", "distinct_misses", "price_tiers",
-           "print_tier_table", "GENERIC_SSD"]
+           "print_tier_table", "print_plan_tiers", "GENERIC_SSD"]
 
 _BLOCK = 4096
 
@@ -221,6 +221,30 @@ def print_tier_table(estimates: Sequence[TierEstimate], table_bytes: int, disk: 
     console.print(table)
 
 
+def print_plan_tiers(plan, budgets: Sequence[str], *, disk_spec: str | None = None, zipf: float | None = None,
+                     items: int | None = None, console=None) -> list[TierEstimate]:
+    """Price ``plan``'s table tiers at ``budgets`` (``4GiB``, ``10%``) and print the tier table."""
+    from backends.host_embedding import bytes_per_row
+    from backends.table_store import parse_table_memory
+
+    tables = plan.tables
+    rows, pooling = tables["rows"], tables.get("pooling") or [1] * len(tables["rows"])
+    row_bytes = bytes_per_row(tables.get("precision", "fp32"), tables["dim"])
+    table_bytes = sum(rows) * row_bytes
+    disk = DiskSpec.load(disk_spec) if disk_spec else GENERIC_SSD
+    alpha = zipf or float(tables.get("zipf") or 1.05)
+    items = items or plan.estimates.batch_rows
+    sizes = []
+    for text in budgets:
+        value = parse_table_memory(text)
+        sizes.append(int(value * table_bytes) if isinstance(value, float) else int(value))  # type: ignore[operator]
+    host = [d for d in plan.estimates.per_device if d.device == "host"]
+    resident = host[0].batch_seconds * items / plan.estimates.batch_rows if host else 0.0
+    estimates = price_tiers(rows, pooling, row_bytes, alpha, sizes, items, disk, resident)
+    print_tier_table(estimates, table_bytes, disk, items, alpha, console)
+    return estimates
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["calibrate"]:
@@ -242,26 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=int, default=None, help="items per batch (default: the plan's batch rows)")
     p.add_argument("--table-memory", action="append", default=[], help="budgets to price (default 5/10/25/100%%)")
     args = p.parse_args(argv)
-    from backends.host_embedding import bytes_per_row
-    from backends.table_store import parse_table_memory
-
     from .plan import PartitionPlan
-    plan = PartitionPlan.load(args.plan)
-    tables = plan.tables
-    rows, pooling = tables["rows"], tables.get("pooling") or [1] * len(tables["rows"])
-    row_bytes = bytes_per_row(tables.get("precision", "fp32"), tables["dim"])
-    table_bytes = sum(rows) * row_bytes
-    disk = DiskSpec.load(args.disk_spec) if args.disk_spec else GENERIC_SSD
-    alpha = args.zipf or float(tables.get("zipf") or 1.05)
-    items = args.items or plan.estimates.batch_rows
-    budgets = []
-    for text in args.table_memory or ["5%", "10%", "25%", "100%"]:
-        value = parse_table_memory(text)
-        budgets.append(int(value * table_bytes) if isinstance(value, float) else int(value))
-    host = [d for d in plan.estimates.per_device if d.device == "host"]
-    resident = host[0].batch_seconds * items / plan.estimates.batch_rows if host else 0.0
-    print_tier_table(price_tiers(rows, pooling, row_bytes, alpha, budgets, items, disk, resident), table_bytes,
-                     disk, items, alpha)
+    print_plan_tiers(PartitionPlan.load(args.plan), args.table_memory or ["5%", "10%", "25%", "100%"],
+                     disk_spec=args.disk_spec, zipf=args.zipf, items=args.items)
     return 0
 
 
