@@ -32,3 +32,12 @@ def test_more_memory_fewer_reads_and_a_faster_host_stage():
     assert [e.reads_per_batch for e in est] == sorted((e.reads_per_batch for e in est), reverse=True)
     assert all(e.host_seconds >= 1e-3 for e in est)
     assert distinct_misses(ROWS, POOLING, 1.05, 100, 64) <= 64 * sum(POOLING)
+
+
+def test_partition_cli_prints_the_tier_table(capsys):
+    from partitioner.cli import main
+
+    assert main(["--model", "rm1", "--max-rows", "300", "--cards", "1", "--plan-only", "--table-memory", "50%",
+                 "--table-memory", "1GiB", "--zipf", "1.2"]) == 0
+    out = capsys.readouterr().out
+    assert "table tiers" in out and "Zipf 1.2" in out and "50%" in out and "100.0%" in out
