@@ -71,6 +71,8 @@ class CardsAnswer:
     watts: float | None
     result: RunResult | None
     tried: dict[int, RunResult] = field(default_factory=dict)
+    passed: dict[int, bool] = field(default_factory=dict)
+    """Whether the run with that many cards met the target."""
     reason: str = ""
 
 
@@ -190,7 +192,8 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
         result = run_at(p, traffic, qps, duration_s=duration_s, warmup_s=warmup_s, settings=settings, seed=seed,
                         jobs=jobs)
         answer.tried[cards] = result
-        return _passes(result, p99_ms, max_error_rate)
+        answer.passed[cards] = _passes(result, p99_ms, max_error_rate)
+        return answer.passed[cards]
 
     try:
         check_bound(platform(max_cards), traffic, p99_ms, settings)

@@ -292,8 +292,8 @@ def _capacity(args: argparse.Namespace, console: Console, settings: ServingSetti
             payload.append({"card_spec": spec, "table_precision": tp, "dense_precision": dp, "traffic": traffic.label,
                             "cards": a.cards, "watts": a.watts, "reason": a.reason,
                             "result": result_dict(a.result) if a.result else None,
-                            "tried": {c: {"p99_ms": r.latency_ms["p99"], "errors": r.errors}
-                                      for c, r in sorted(a.tried.items())}})
+                            "tried": {c: {"p99_ms": r.latency_ms["p99"], "errors": r.errors, "passed": a.passed.get(c),
+                                          "utilisation": r.utilisation} for c, r in sorted(a.tried.items())}})
     console.print(cards_table(answers, args.qps, args.p99_ms))
     if args.plot:
         console.print(f"plot: {plot_cards(answers, args.qps, args.p99_ms, args.plot)}")

@@ -70,10 +70,10 @@ def max_rate_table(rows: Sequence[tuple[str, MaxRate]], title: str) -> Table:
 def cards_table(answers: Sequence[tuple[str, CardsAnswer]], qps: float, p99_ms: float) -> Table:
     table = Table(title=f"Fewest cards for {qps:,.0f} q/s at p99 <= {p99_ms:g} ms", title_justify="left")
     for col in ("card spec", "tables / dense", "traffic", "cards", "card watts", "p50 / p99 ms", "utilisation",
-                "tried (cards: p99 ms)"):
+                "tried (cards: p99 ms; x missed)"):
         table.add_column(col)
     for traffic, a in answers:
-        tried = ", ".join(f"{c}: {_ms(r.latency_ms['p99'])}{'*' if r.errors else ''}"
+        tried = ", ".join(f"{c}: {_ms(r.latency_ms['p99'])}{'' if a.passed.get(c) else ' x'}"
                           for c, r in sorted(a.tried.items()))
         r = a.result
         table.add_row(a.card_spec, f"{a.table_precision} / {a.dense_precision}", traffic,
@@ -152,14 +152,18 @@ def plot_cards(answers: Sequence[tuple[str, CardsAnswer]], qps: float, p99_ms: f
         cards = sorted(a.tried)
         p99 = [a.tried[c].latency_ms["p99"] or float("nan") for c in cards]
         label = f"{a.card_spec} {a.table_precision}/{a.dense_precision} {traffic}"
-        ax.plot(cards, p99, "o-", color=colour, label=label)
+        ax.plot(cards, p99, "-", color=colour, label=label)
+        ok = [c for c in cards if a.passed.get(c)]
+        bad = [c for c in cards if not a.passed.get(c)]
+        ax.plot(ok, [a.tried[c].latency_ms["p99"] or float("nan") for c in ok], "o", color=colour)
+        ax.plot(bad, [a.tried[c].latency_ms["p99"] or float("nan") for c in bad], "x", color=colour, ms=8)
         if a.cards:
             ax.annotate(f"{a.cards} cards" + (f", {a.watts:,.0f} W" if a.watts else ""),
                         (a.cards, a.tried[a.cards].latency_ms["p99"] or 0), textcoords="offset points",
                         xytext=(5, 8), fontsize=8, color=colour)
     ax.axhline(p99_ms, color="grey", lw=1, label=f"bound {p99_ms:g} ms")
     ax.set_xlabel("cards")
-    ax.set_ylabel(f"p99 at {qps:,.0f} q/s (ms; * = refused requests)")
+    ax.set_ylabel(f"p99 at {qps:,.0f} q/s, ms (x: missed: over the bound, refused or saturated)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
