@@ -14,7 +14,7 @@ Scheduling follows Triton's dynamic batcher, in rows instead of requests:
   batch is filled in priority order: level 1 first, then level 2, and so on,
   and stops at the first request that does not fit (no reordering past it).
 * A batch leaves when it is full (``max_batch_rows``, or the next request does
-  not fit), when it reaches a preferred size (``preferred_batch_rows``: it is cut
+  not fit), when it holds at least ``no_wait_rows`` rows, when it reaches a preferred size (``preferred_batch_rows``: it is cut
   just after the largest preferred size it crosses), or when its oldest request
   has waited ``max_queue_delay_microseconds``. It is formed only when a batch
   slot is free (``max_inflight``), so late arrivals of higher priority still
@@ -58,7 +58,8 @@ from .allocator import give_back_freed_memory
 from .errors import DeadlineExceeded, InternalError, InvalidInput, Overloaded, ServingError, Unavailable
 
 __all__ = ["BatchingConfig", "QueuePolicy", "DynamicBatcher", "BatchInfo", "Queued", "TIMEOUT_ACTIONS",
-           "SLA_P99_MS", "DEFAULT_QUEUE_WORK_MS", "DEFAULT_TIMEOUT_US", "DEFAULT_QUEUE_BYTES", "TRIM_AFTER_BYTES"]
+           "SLA_P99_MS", "DEFAULT_QUEUE_WORK_MS", "DEFAULT_TIMEOUT_US", "DEFAULT_QUEUE_BYTES", "TRIM_AFTER_BYTES",
+           "DEFAULT_NO_WAIT_ROWS"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ DEFAULT_QUEUE_BYTES = 512 * _MIB
 ~32 MB, nearly all ids); the host keeps a bounded share of its memory for requests in wait."""
 TRIM_AFTER_BYTES = 64 * _MIB
 """A burst whose queued bytes reached this is given back to the kernel once drained."""
+DEFAULT_NO_WAIT_ROWS = 256
+"""A batch this large leaves without waiting out the window: it fills a card (256 rows, the
+default ``max_card_batch_rows``), so a partner would only wait for it."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,12 @@ class BatchingConfig:
     """Whether client timeouts apply (they can only shorten the default timeout)."""
     preferred_batch_rows: tuple[int, ...] = ()
     """Batch sizes (rows) worth sending at once: a batch that reaches one leaves without waiting out the delay."""
+    no_wait_rows: int = DEFAULT_NO_WAIT_ROWS
+    """A batch of at least this many rows leaves at once, without waiting out the delay, and
+    uncut (0: every batch waits for a full size, a preferred one or the delay). Merging saves a
+    batch's fixed costs, which a batch this large dwarfs: MLPerf-sized queries (100..700 items)
+    ran one to a batch anyway, each waiting the whole window (2 ms of every request's p50 on
+    dlrm-mlperf, bench/latency_breakdown.py)."""
     priority_levels: int = 0
     """Priority levels, 1 the highest (0: priorities off, one queue)."""
     default_priority_level: int = 0
@@ -167,6 +177,8 @@ class BatchingConfig:
             raise ValueError(f"max_queue_work_ms must be >= 0 (0: no work bound), got {self.max_queue_work_ms}")
         if self.max_queue_bytes < 0:
             raise ValueError(f"max_queue_bytes must be >= 0 (0: unbounded), got {self.max_queue_bytes}")
+        if self.no_wait_rows < 0:
+            raise ValueError(f"no_wait_rows must be >= 0 (0: off), got {self.no_wait_rows}")
         _ = self.default_policy  # building it checks the default policy's fields
         preferred = tuple(sorted(set(int(p) for p in self.preferred_batch_rows)))
         bad = [p for p in preferred if not 1 <= p <= self.max_batch_rows]
@@ -328,6 +340,8 @@ class DynamicBatcher:
         self._rows = 0
         """Rows of the requests waiting, all levels."""
         self._lazy_wake = not config.preferred_batch_rows and config.priority_levels <= 1
+        self._wake_rows = min(config.max_batch_rows, config.no_wait_rows or config.max_batch_rows)
+        """Queued rows at which an arrival must wake the batching loop while its timer runs."""
         self._one_level = config.priority_levels <= 1
         self._cost = cost if config.max_queue_work_ms > 0 else None
         self._work = 0.0
@@ -449,7 +463,7 @@ class DynamicBatcher:
         # NOTE: while the batch timer runs, an arrival that cannot fill the batch changes nothing
         # (the oldest request sets the deadline): the loop is not woken to recount the queue,
         # which saves a wake-up and a walk over the queue per request.
-        if not (self._lazy_wake and self._timer is not None and self._rows < self.config.max_batch_rows):
+        if not (self._lazy_wake and self._timer is not None and self._rows < self._wake_rows):
             self._wake()
         return item
 
@@ -563,6 +577,7 @@ class DynamicBatcher:
     async def _next_batch(self) -> list[Queued]:
         loop = asyncio.get_running_loop()
         delay = self.config.max_queue_delay_microseconds / 1e6
+        no_wait = self.config.no_wait_rows
         while True:
             chosen, full = self._candidates()
             deadline = timeout = None
@@ -572,6 +587,8 @@ class DynamicBatcher:
                 cut = self._preferred_cut(chosen)
                 if cut:
                     return self._take(chosen[:cut])
+                if no_wait and sum(p.rows for p in chosen) >= no_wait:
+                    return self._take(chosen)
                 deadline = min(p.enqueued for p in chosen) + delay
                 timeout = deadline - self._clock()
                 if timeout <= 0:

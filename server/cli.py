@@ -15,7 +15,8 @@ from backends.api import BackendError
 
 from .allocator import keep_freed_memory
 from .app import ServerConfig, SixfoldServer
-from .batcher import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US, BatchingConfig
+from .batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US,
+                      BatchingConfig)
 from .core import InferenceCore
 from .errors import ServingError
 from .logs import configure_logging
@@ -114,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_TIMEOUT_US}; 0: only client deadlines)")
     p.add_argument("--preferred-batch-rows", type=int, action="append", default=[], metavar="ROWS",
                    help="dispatch a batch as soon as it reaches ROWS items (repeatable; Triton's preferred_batch_size)")
+    p.add_argument("--no-wait-rows", type=int, default=DEFAULT_NO_WAIT_ROWS, metavar="ROWS",
+                   help="a batch of at least ROWS items leaves at once, without waiting out the batching window "
+                        f"(default {DEFAULT_NO_WAIT_ROWS}: a batch that fills a card; 0: every batch waits)")
     p.add_argument("--max-inflight-batches", type=int, default=0,
                    help="batches running at once per model (0: cards + 1)")
     p.add_argument("--priority-levels", type=int, default=0,
@@ -178,6 +182,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                               default_timeout_microseconds=args.default_timeout_us,
                               max_queue_work_ms=args.max_queue_work_ms, max_queue_bytes=args.max_queue_bytes_mb << 20,
                               preferred_batch_rows=tuple(args.preferred_batch_rows),
+                              no_wait_rows=args.no_wait_rows,
                               max_inflight_batches=args.max_inflight_batches,
                               priority_levels=args.priority_levels,
                               default_priority_level=args.default_priority_level or args.priority_levels)

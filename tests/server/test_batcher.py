@@ -164,3 +164,36 @@ async def test_the_default_timeout_applies_when_the_client_sets_none() -> None:
         await batcher.submit(_request(1, 2), 1)
     await slow
     await batcher.close()
+
+
+async def test_a_batch_of_no_wait_rows_leaves_at_once_and_a_smaller_one_waits() -> None:
+    """A request of at least ``no_wait_rows`` rows is not held for the window (nothing would join
+    it worth the wait); a smaller one is, until an arrival brings the batch to ``no_wait_rows``,
+    which sends it at once (the lazy wake must not sleep through that arrival), uncut."""
+    model = Recorder()
+    config = BatchingConfig(max_batch_rows=1000, max_queue_delay_microseconds=10_000_000, no_wait_rows=8)
+    batcher = DynamicBatcher(model, config, max_inflight=1)
+    big, _ = await asyncio.wait_for(batcher.submit(_request(8, 1), 8), 2.0)  # a 10 s window, not waited out
+    assert model.batches == [8] and big["y"].shape == (8, 2)
+    first = asyncio.ensure_future(batcher.submit(_request(3, 2), 3))
+    await asyncio.sleep(0.01)  # the timer is armed for the first request
+    second = asyncio.ensure_future(batcher.submit(_request(3, 3), 3))  # 6 rows: keeps waiting
+    await asyncio.sleep(0.01)
+    assert model.batches == [8]
+    third = asyncio.ensure_future(batcher.submit(_request(4, 4), 4))  # 10 rows >= 8: all three leave together
+    await asyncio.wait_for(asyncio.gather(first, second, third), 2.0)
+    assert model.batches == [8, 10]
+    await batcher.close()
+
+
+async def test_no_wait_rows_zero_holds_even_a_large_request_for_the_window() -> None:
+    model = Recorder()
+    config = BatchingConfig(max_batch_rows=1000, max_queue_delay_microseconds=10_000_000, no_wait_rows=0)
+    batcher = DynamicBatcher(model, config, max_inflight=1)
+    waiting = asyncio.ensure_future(batcher.submit(_request(500, 1), 500))
+    await asyncio.sleep(0.05)
+    assert model.batches == [] and not waiting.done()
+    waiting.cancel()
+    await batcher.close(drain=False)
+    with pytest.raises(ValueError, match="no_wait_rows"):
+        BatchingConfig(no_wait_rows=-1)
