@@ -30,7 +30,7 @@ from .vloop import SimulationDeadlock, SimulationLimit
 
 __all__ = ["main", "SERVE_FLAGS"]
 
-SERVE_FLAGS = ("max_batch_rows", "max_queue_delay_us", "max_queue_size", "default_timeout_us", "max_queue_work_ms",
+SERVE_FLAGS = ("max_batch_rows", "no_wait_rows", "max_queue_delay_us", "max_queue_size", "default_timeout_us", "max_queue_work_ms",
                "max_queue_bytes_mb", "preferred_batch_rows", "max_inflight_batches", "priority_levels",
                "default_priority_level", "max_card_batch_rows", "min_split_rows", "host_dense_max_rows",
                "card_timeout_multiple", "card_timeout_floor_ms")
@@ -54,7 +54,8 @@ def serving_settings(args: argparse.Namespace) -> ServingSettings:
     """The scheduling settings sixfold-serve would build from the same flags."""
     from server.batcher import BatchingConfig
     try:
-        batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
+        extra = {"no_wait_rows": args.no_wait_rows} if hasattr(args, "no_wait_rows") else {}
+        batching = BatchingConfig(max_batch_rows=args.max_batch_rows, **extra,
                                   max_queue_delay_microseconds=args.max_queue_delay_us,
                                   max_queue_size=args.max_queue_size,
                                   default_timeout_microseconds=args.default_timeout_us,

@@ -97,3 +97,14 @@ def test_a_trace_runs_at_its_own_rate_without_qps(tmp_path, capsys) -> None:
     assert code == 0, capsys.readouterr().err
     run = json.loads(out.read_text())["results"][0]["runs"][0]
     assert run["rate"] == pytest.approx(50.0)
+
+
+def test_no_wait_rows_is_sixfold_serves_too(tmp_path) -> None:
+    out = tmp_path / "run.json"
+    args = ["run", "--model", "rm1", "--cards", "1", "--qps", "5", *SHORT, "--json", str(out), "--host-spec",
+            "host-cpu", "--query-size", "fixed:300", "--host-dense-max-rows", "0"]
+    assert main([*args, "--no-wait-rows", "256"]) == 0
+    at_once = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
+    assert main([*args, "--no-wait-rows", "0"]) == 0
+    waited = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
+    assert waited - at_once == pytest.approx(2.0, abs=0.05)  # a 300-item query waits out the 2 ms window
