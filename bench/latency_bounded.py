@@ -101,14 +101,16 @@ LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so th
 IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
-SERVERS = ("sixfold", "sixfold-nobatch", "mlserver")
+SERVERS = ("sixfold", "sixfold-nobatch", "sixfold-before", "mlserver")
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
          "sixfold": "sixfold (default batching)",
-         "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching"}
+         "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching",
+         "sixfold-before": "sixfold at --baseline-tree (default batching)"}
 USUAL_ORDER = ("dense_features", "sparse_lengths", "sparse_indices")  # loadgen's (RequestGenerator.make)
 DENSE_LAST = ("sparse_indices", "sparse_lengths", "dense_features")  # the one MLServer's batching answers
-WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "mlserver": DENSE_LAST}
+WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
+              "mlserver": DENSE_LAST}
 MLSERVER_PYTHON = ROOT / ".venv-mlserver" / "bin" / "python"
 GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
 
@@ -220,13 +222,20 @@ async def _wait_model(url: str, model: str, timeout_s: float) -> None:
         await client.close()
 
 
-def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool) -> ServerProc:
+def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tree: str | None = None) -> ServerProc:
+    """``tree``: serve with the code of another source tree (e.g. ``git archive`` of an earlier commit), put
+    first on PYTHONPATH, with this venv's packages: a before/after comparison in one run."""
     argv = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", model, "--max-rows", str(max_rows),
             "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
             "--http-port", "-1", "--drain-seconds", "0"]
     if not batching:
         argv += ["--max-batch-rows", "1", "--max-queue-delay-us", "0"]
-    return ServerProc("sixfold" if batching else "sixfold-nobatch", argv, ready_line="READY grpc=")
+    env = None
+    if tree is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(tree).resolve()),
+                                                                           os.environ.get("PYTHONPATH"))))}
+    name = "sixfold-before" if tree is not None else "sixfold" if batching else "sixfold-nobatch"
+    return ServerProc(name, argv, ready_line="READY grpc=", env=env)
 
 
 def mlserver_missing() -> str | None:
@@ -409,6 +418,8 @@ def measure_offline(name: str, cfg: models.ModelConfig, max_rows: int, batches: 
 def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
     if name == "mlserver":
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
+    if name == "sixfold-before":
+        return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree)
     return sixfold_server(model, args.max_rows, args.cards, batching=name == "sixfold")
 
 
@@ -471,7 +482,9 @@ def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> d
     log(f"[{model} run {run + 1}] offline: best {offline['best_items_per_s']:,.0f} items/s at batch "
         f"{offline['best_batch']} = {offline['qps']:.2f} q/s")
     hi = round(offline["qps"] * 4, 2)
-    names = [s for s in SERVERS if not (s == "mlserver" and args.skip_mlserver)]
+    names = [s for s in SERVERS if not ((s == "mlserver" and args.skip_mlserver)
+                                        or (s == "sixfold-nobatch" and args.skip_nobatch)
+                                        or (s == "sixfold-before" and not args.baseline_tree))]
     k = run % len(names)
     run_order = names[k:] + names[:k]
     result: dict[str, Any] = {"offline": offline, "order": ["offline", *run_order], "servers": {}}
@@ -574,7 +587,8 @@ def _median_entry(entries: list[dict[str, Any]], bound: float) -> dict[str, Any]
 
 
 RATIOS = (("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
-          ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"))
+          ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"),
+          ("sixfold-before", "ideal"), ("sixfold", "sixfold-before"))
 
 
 def ideal_qps(offline: dict[str, Any], bound: float) -> float:
@@ -658,8 +672,8 @@ def format_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {model} | {LABEL[name]} | {idle} | {' | '.join(cells)} | {_answers(e)} |")
     lines += ["", "| model | p99 bound | sixfold / no batching | sixfold / MLServer (goal >= 3) "
               "| sixfold / offline (goal >= 0.7) | sixfold / ideal server | MLServer / offline "
-              "| no batching / offline |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| no batching / offline | baseline tree / ideal server | sixfold / baseline tree |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for model, s in summary.items():
         for b in bounds:
             r = s["ratios"][b]
@@ -769,6 +783,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline-batches", type=_ints, default=None,
                    help="offline batch sizes in items (default 64,128,256,512,1024,2048)")
     p.add_argument("--skip-mlserver", action="store_true", help="leave MLServer out")
+    p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="also serve with the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`), first on "
+                        "PYTHONPATH with this venv: 'sixfold-before', in the same rotated runs as 'sixfold'")
     p.add_argument("--mlserver-batch-size", type=int, default=8, help="MLServer max_batch_size, requests (default 8)")
     p.add_argument("--mlserver-batch-time", type=float, default=0.004,
                    help="MLServer max_batch_time, seconds (default 0.004)")
