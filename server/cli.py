@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_TIMEOUT_US}; 0: only client deadlines)")
     p.add_argument("--preferred-batch-rows", type=int, action="append", default=[], metavar="ROWS",
                    help="dispatch a batch as soon as it reaches ROWS items (repeatable; Triton's preferred_batch_size)")
+    p.add_argument("--host-chunk-rows", type=int, default=0, metavar="ROWS",
+                   help="run the host stage of a batch of at least 2 x ROWS items in chunks of about ROWS, each "
+                        "chunk's card stage overlapping the next chunk's host stage (default 0: whole batches)")
     p.add_argument("--no-wait-rows", type=int, default=DEFAULT_NO_WAIT_ROWS, metavar="ROWS",
                    help="a batch of at least ROWS items leaves at once, without waiting out the batching window "
                         f"(default {DEFAULT_NO_WAIT_ROWS}: a batch that fills a card; 0: every batch waits)")
@@ -204,7 +207,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 dense_precision=args.dense_precision, host_dense_max_rows=args.host_dense_max_rows,
                 min_split_rows=args.min_split_rows, card_timeout_multiple=args.card_timeout_multiple,
                 card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
-                table_memory=args.table_memory, cache_policy=args.table_cache_policy)
+                table_memory=args.table_memory, cache_policy=args.table_cache_policy,
+                host_chunk_rows=args.host_chunk_rows)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -220,7 +224,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         card_timeout_multiple=args.card_timeout_multiple,
                                         card_timeout_floor_s=args.card_timeout_floor_ms / 1e3,
                                         allow_nonfinite=args.allow_nonfinite, table_memory=args.table_memory,
-                                        cache_policy=args.table_cache_policy)
+                                        cache_policy=args.table_cache_policy,
+                                        host_chunk_rows=args.host_chunk_rows)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()

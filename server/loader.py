@@ -128,11 +128,12 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                      min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, host_dense_max_rows: int = -1,
                      allow_nonfinite: bool = False, card_timeout_multiple: float = 10.0,
                      card_timeout_floor_s: float = 0.5, table_memory: int | float | None = None,
-                     cache_policy: str = "tinylfu") -> ServedModel:
+                     cache_policy: str = "tinylfu", host_chunk_rows: int = 0) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
 
     ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
     ``table_memory``/``cache_policy``: tiered tables (see ``load_host_stage``).
+    ``host_chunk_rows``: pipeline large batches' host and card stages in chunks (see ``PlanRuntime``).
     """
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
@@ -153,7 +154,8 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows,
                           min_split_rows=min_split_rows, card_timeout_multiple=card_timeout_multiple,
                           card_timeout_floor_s=card_timeout_floor_s,
-                          host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0)
+                          host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0,
+                          host_chunk_rows=host_chunk_rows)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
@@ -186,7 +188,8 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  dense_precision: str = "fp32", host_dense_max_rows: int = -1,
                  min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
                  card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
-                 table_memory: int | float | None = None, cache_policy: str = "tinylfu") -> ServedModel:
+                 table_memory: int | float | None = None, cache_policy: str = "tinylfu",
+                 host_chunk_rows: int = 0) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -200,7 +203,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                             min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows,
                             allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
                             card_timeout_floor_s=card_timeout_floor_s, table_memory=table_memory,
-                            cache_policy=cache_policy)
+                            cache_policy=cache_policy, host_chunk_rows=host_chunk_rows)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
@@ -208,7 +211,8 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
                          max_card_rows: int | None = None, host_dense_max_rows: int = -1,
                          min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
                          card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
-                         table_memory: int | float | None = None, cache_policy: str = "tinylfu") -> ServedModel:
+                         table_memory: int | float | None = None, cache_policy: str = "tinylfu",
+                         host_chunk_rows: int = 0) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
@@ -230,7 +234,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         card_timeout_multiple=extras.get("card_timeout_multiple", card_timeout_multiple),
         card_timeout_floor_s=extras["card_timeout_floor_ms"] / 1e3 if "card_timeout_floor_ms" in extras
         else card_timeout_floor_s, table_memory=extras.get("table_memory", table_memory),
-        cache_policy=extras.get("table_cache_policy", cache_policy))
+        cache_policy=extras.get("table_cache_policy", cache_policy), host_chunk_rows=host_chunk_rows)
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     from .deltas import attach
     try:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from backends.api import Arrays, Executable
-from models import DENSE
+from models import DENSE, INDICES, LENGTHS
 
 from .batcher import BatchInfo
 from .card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
@@ -338,6 +338,12 @@ class PlanRuntime:
     first card hung), it runs there too (``dense_fallback``). Host and host-dense batches whose
     measured run time is at most ``max_inline_s`` run on the event loop itself (``StageRunner``; 0: never).
 
+    Pipelining (``host_chunk_rows`` > 0): a batch of at least twice that many items, in the
+    canonical signature, runs its host stage in chunks of about that many items, and each chunk
+    goes on to the cards as soon as its host stage is done, while the next chunk's host stage
+    runs: the card stage of chunk k overlaps the host stage of chunk k+1, and the batch's
+    latency is its host stage plus the last chunk's card stage rather than the whole batch's.
+
     A batch of more than ``max_card_rows`` rows is split across cards. So is a batch of at
     least 2 x ``min_split_rows`` rows when cards are idle: into as many equal parts as there
     are idle cards, each of at least ``min_split_rows`` rows (0: split only what a card cannot
@@ -353,7 +359,8 @@ class PlanRuntime:
                  min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS,
                  host_dense: Executable | None = None, host_dense_max_rows: int = -1,
                  host_dense_auto_limit: int = 256, host_dense_explore_every: int = 20,
-                 max_inline_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_inline_s: float = 1e-3, host_chunk_rows: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.host = host
         self._host_runner = StageRunner(host, max_inline_s)
         self.cards = list(cards)
@@ -385,6 +392,9 @@ class PlanRuntime:
         if min_split_rows < 0:
             raise ValueError(f"min_split_rows must be >= 0 (0: split only batches over max_card_rows), got {min_split_rows}")
         self.min_split_rows = min_split_rows
+        if host_chunk_rows < 0:
+            raise ValueError(f"host_chunk_rows must be >= 0 (0: whole batches), got {host_chunk_rows}")
+        self.host_chunk_rows = host_chunk_rows
         self._clock = clock
         self._restarts: set[asyncio.Task] = set()
         self._host_active = 0  # batches in the host stage now
@@ -436,6 +446,9 @@ class PlanRuntime:
         rows = _batch_items(inputs, info)
         while self._host_hold is not None:  # rows are changing (between_batches): wait for it
             await asyncio.shield(self._host_hold)
+        chunks = self._chunks(inputs, rows)
+        if chunks is not None:
+            return await self._run_pipelined(inputs, chunks, info)
         t0 = self._clock()
         self._host_active += 1
         try:
@@ -472,6 +485,71 @@ class PlanRuntime:
         if index < 0:
             info.timings["dense_on_host"] = 1.0
         return outputs
+
+    def _chunks(self, inputs: Arrays, rows: int) -> list[tuple[int, int, int, int]] | None:
+        """Item and id bounds ``(a, b, ids_a, ids_b)`` of the host-stage chunks of a batch (None: run it whole).
+
+        Only the canonical signature splits (ids are sample-major, so a run of items is a run of ids).
+        """
+        size = self.host_chunk_rows
+        if not size or rows < 2 * size or not {DENSE, LENGTHS, INDICES} >= set(self.host.input_names):
+            return None
+        lengths, ids = inputs.get(LENGTHS), inputs.get(INDICES)
+        if lengths is None or ids is None or lengths.ndim != 2 or lengths.shape[0] != rows:
+            return None
+        parts = rows // size
+        base, extra = divmod(rows, parts)
+        ends = np.cumsum([base + 1] * extra + [base] * (parts - extra))
+        id_ends = np.cumsum(lengths.sum(axis=1, dtype=np.int64))[ends - 1]
+        if int(id_ends[-1]) != ids.shape[0]:
+            return None  # let the host stage report the mismatch
+        bounds = zip([0, *ends[:-1].tolist()], ends.tolist(), [0, *id_ends[:-1].tolist()], id_ends.tolist())
+        return [(int(a), int(b), int(c), int(d)) for a, b, c, d in bounds]
+
+    async def _run_pipelined(self, inputs: Arrays, chunks: list[tuple[int, int, int, int]], info: BatchInfo) -> Arrays:
+        """The batch in host-stage chunks, each chunk's card stage started as soon as its host stage is done."""
+        t0 = self._clock()
+        host_s = 0.0
+        cards: list[asyncio.Future] = []
+        self._host_active += 1
+        try:
+            for a, b, c, d in chunks:
+                part = {name: (array[c:d] if name == INDICES else array[a:b]) for name, array in inputs.items()}
+                h0 = self._clock()
+                try:
+                    host_out = await self._host_runner.infer({n: part[n] for n in self.host.input_names}, b - a)
+                except ServingError:
+                    raise
+                except OSError as exc:
+                    raise Unavailable(f"host stage: {exc}") from exc
+                except Exception as exc:
+                    raise InternalError(f"host stage failed: {exc}") from exc
+                host_s += self._clock() - h0
+                cards.append(asyncio.ensure_future(self._chunk_card_stage({**part, **host_out}, b - a)))
+        except BaseException:
+            for task in cards:
+                task.cancel()
+            await asyncio.gather(*cards, return_exceptions=True)
+            raise
+        finally:
+            self._host_active -= 1
+            if not self._host_active and self._host_idle is not None:
+                self._host_idle.set()
+        results = await asyncio.gather(*cards)
+        outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
+        index = results[-1][0]
+        info.timings.update(host_s=host_s, card_s=self._clock() - t0 - host_s, card=float(index),
+                            host_chunks=float(len(chunks)))
+        if index < 0:
+            info.timings["dense_on_host"] = 1.0
+        return outputs
+
+    async def _chunk_card_stage(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
+        """One chunk's dense part: split over idle cards as a whole batch would be."""
+        parts = self.parts(rows)
+        if parts == 1:
+            return await self._card_stage(card_inputs, rows)
+        return await self._split_across_cards(card_inputs, rows, parts)
 
     async def _host_dense_stage(self, card_inputs: Arrays, rows: int) -> Arrays | None:
         """The dense part on the host CPU; None (the caller uses a card) if it fails."""

@@ -107,3 +107,48 @@ def test_a_negative_min_split_rows_is_refused(rm1) -> None:
     with pytest.raises(ValueError, match="min_split_rows must be >= 0"):
         PlanRuntime(host, [host], min_split_rows=-1)
     host.close()
+
+
+async def test_a_pipelined_batch_runs_its_host_stage_in_chunks_and_matches_the_whole(rm1) -> None:
+    runtime = _runtime(rm1, 2, max_card_rows=None, min_split_rows=0, host_chunk_rows=16)
+    batch = _batch(50, seed=8)  # chunks of 17, 17, 16 items (ids cut where items end)
+    info = BatchInfo(rows=50)
+    out = await runtime.run(batch, info)
+    np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
+    assert info.timings["host_chunks"] == 3 and sum(_rows_per_card(runtime)) == 50
+    small = BatchInfo(rows=31)  # under twice the chunk size: whole
+    out = await runtime.run(_batch(31, seed=9), small)
+    assert out["scores"].shape == (31, 1) and "host_chunks" not in small.timings
+    runtime.close()
+    with pytest.raises(ValueError, match="host_chunk_rows"):
+        _runtime(rm1, 1, host_chunk_rows=-1)
+
+
+async def test_the_card_stage_of_a_chunk_overlaps_the_host_stage_of_the_next(rm1) -> None:
+    """Scripted stages: chunk 1's host stage does not finish until chunk 0's card stage has started."""
+    import asyncio
+
+    runtime = _runtime(rm1, 2, max_card_rows=None, min_split_rows=0, host_chunk_rows=10)
+    events: list[str] = []
+    card_started = asyncio.Event()
+    real_host = runtime._host_runner.infer
+
+    async def host(inputs, rows):
+        k = sum(e.startswith("host") for e in events)
+        if k == 1:
+            await asyncio.wait_for(card_started.wait(), 5.0)  # would time out if chunks ran one after another
+        events.append(f"host{k}")
+        return await real_host(inputs, rows)
+
+    async def card(card_inputs, rows):
+        events.append(f"card{sum(e.startswith('card') for e in events)}")
+        card_started.set()
+        await asyncio.sleep(0)
+        return 0, {"scores": np.zeros((rows, 1), dtype=np.float32)}
+
+    runtime._host_runner.infer = host
+    runtime._chunk_card_stage = card
+    out = await runtime.run(_batch(20, seed=10), BatchInfo(rows=20))
+    assert out["scores"].shape == (20, 1)
+    assert events == ["host0", "card0", "host1", "card1"]
+    runtime.close()
