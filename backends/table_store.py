@@ -312,6 +312,11 @@ class TieredRows:
                     if a < b:
                         offsets = table.offset + (part[a:b] - self.table_starts[t]) * self.row_bytes
                         pread.gather(self._fds[t], offsets, self.row_bytes, buf[a:b], span)
+                overlay = self.overlay
+                if overlay is not None and overlay.rows.shape[0]:  # rows a table delta replaced: not the files'
+                    mine = overlay.holds(part)
+                    if mine.any():
+                        overlay.gather(part[mine], buf, np.flatnonzero(mine))
                 old = self.owner[victims]
                 self.index[old[old >= 0]] = -1
                 self.free -= int(victims.shape[0] - np.count_nonzero(old >= 0))

@@ -160,3 +160,17 @@ def test_warm_loads_the_most_read_rows_and_answers_stay_exact(tables: Path) -> N
         np.testing.assert_array_equal(tiered.run_numpy(lengths, ids), resident.run_numpy(lengths, ids))
     assert store.stats.hit_rate > 0.5
     tiered.close()
+
+
+def test_warm_takes_rows_a_delta_replaced_from_the_overlay(tables: Path) -> None:
+    from backends.table_store import RowOverlay
+
+    tiered = HostEmbeddingStage(tables, table_memory=60_000, item_ids=20)
+    store = tiered.stores[0]
+    rows = np.array([3, 1500, 4001], np.int64)  # global rows in tables 0, 1 and 2
+    values = np.full((3, DIM), 7.0, np.float32)
+    with store.lock:
+        store.replace_rows(rows, values, RowOverlay.empty().merged(rows, values))
+    store.warm(rows)
+    np.testing.assert_array_equal(store.data[store.index[rows]], values)
+    tiered.close()
