@@ -141,3 +141,23 @@ def test_a_damaged_table_file_fails_the_load_naming_it(repo, tmp_path, damage):
     with pytest.raises(ValueError, match=rf"table_003.npy.*{words}"):
         load_from_repository(ModelRepository(tmp_path), "m", "1", backend="simcard", metrics=ServerMetrics(),
                              batching=BatchingConfig())
+
+
+def test_a_builtin_model_with_a_table_memory_answers_like_resident():
+    from server.loader import load_builtin
+
+    kwargs = dict(max_rows=300, seed=1, cards=1, backend="simcard", card_spec="m2-card", batching=BatchingConfig())
+    resident = load_builtin("rm1", metrics=ServerMetrics(), **kwargs)
+    tiered = load_builtin("rm1", metrics=ServerMetrics(), table_memory=0.5, **kwargs)
+    try:
+        assert tiered.runtime.host.stage.stores and not resident.runtime.host.stage.stores
+        assert tiered.parameters["sixfold.table_memory"] == str(tiered.runtime.host.stage.table_memory)
+        gen = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=5)
+        for items in (1, 7, 40):
+            request = gen.make(items)
+            host_inputs = {k: request[k] for k in ("sparse_lengths", "sparse_indices")}
+            (a,), (b,) = resident.runtime.host.run(host_inputs).values(), tiered.runtime.host.run(host_inputs).values()
+            np.testing.assert_array_equal(a, b)
+    finally:
+        resident.runtime.close()
+        tiered.runtime.close()
