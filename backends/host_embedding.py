@@ -45,6 +45,7 @@ alone, no sort), and each group's output is scattered back to bag order.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -692,7 +693,12 @@ class HostEmbeddingBackend(Backend):
             raise BackendError(f"partition {artifact.name}: expected 2 inputs (sparse_lengths, sparse_indices) "
                                f"and 1 output; got {artifact.input_names} -> {artifact.output_names}")
         meta = artifact.metadata
-        check_fits(artifact, device)
+        budget = meta.get("table_memory")
+        if budget is None:
+            check_fits(artifact, device)
+        else:  # tiered: the rows stay on disk; what must fit in the host's memory is the budget
+            held = int(budget * artifact.param_bytes) if isinstance(budget, float) else int(budget)
+            check_fits(dataclasses.replace(artifact, param_bytes=min(held, artifact.param_bytes)), device)
         try:
             stage = HostEmbeddingStage(artifact.payload, meta.get("precision", "fp32"),
                                        layout=meta.get("layout", "fused"), cache=meta.get("cache", True),

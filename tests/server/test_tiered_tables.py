@@ -161,3 +161,20 @@ def test_a_builtin_model_with_a_table_memory_answers_like_resident():
     finally:
         resident.runtime.close()
         tiered.runtime.close()
+
+
+def test_tables_larger_than_the_host_fit_with_a_table_memory(repo):
+    """A host spec smaller than the tables refuses them resident, and takes them with a budget that fits."""
+    import dataclasses
+
+    from backends.host_embedding import HostEmbeddingBackend
+    from backends.memory import DoesNotFit
+    from backends.spec import load_spec
+
+    read = ModelRepository(repo).read("resident", "1")
+    artifact = read.artifacts["sparse"]
+    small = dataclasses.replace(load_spec("host-cpu"), memory_bytes=artifact.param_bytes // 2)
+    with pytest.raises(DoesNotFit):
+        HostEmbeddingBackend().load(artifact, small)
+    tiered = dataclasses.replace(artifact, metadata={**artifact.metadata, "table_memory": 0.4, "item_ids": 640})
+    HostEmbeddingBackend().load(tiered, small).close()
