@@ -27,7 +27,8 @@ dtypes, ids distinct); ``Delta.check_against`` checks it against a model (name, 
 ranges, dims). Every error is a ``DeltaError`` naming the file or field; nothing is applied then.
 
 ``make_delta(old, new, out)`` compares two version folders table by table, streaming both
-through memory maps in chunks of rows (a full-size table set is never in memory; the changed
+with positional reads in chunks of rows, each dropped from the page cache once compared (a
+full-size table set is never in memory, nor pushed into the page cache; the changed
 rows are), and writes only the rows whose bytes differ.
 """
 
@@ -283,6 +284,30 @@ def _pack(precision: str, rows: np.ndarray) -> np.ndarray:
     return op(torch.from_numpy(np.ascontiguousarray(rows, np.float32))).numpy()
 
 
+def _chunk_pairs(a: Any, b: Any, chunk_rows: int):
+    """(first row, a's rows, b's rows) as uint8 [n, row bytes], read in chunks with preads; each chunk's
+    pages are dropped from the page cache after it is compared (tables larger than memory stay out of it)."""
+    fa, fb = os.open(a.path, os.O_RDONLY), os.open(b.path, os.O_RDONLY)
+    try:
+        for lo in range(0, a.rows, chunk_rows):
+            n = min(chunk_rows, a.rows - lo)
+            chunks = []
+            for fd, table in ((fa, a), (fb, b)):
+                start, size = table.offset + lo * table.row_bytes, n * table.row_bytes
+                data = os.pread(fd, size, start)
+                if len(data) != size:
+                    raise DeltaError(f"{table.path}: short read at row {lo}")
+                try:
+                    os.posix_fadvise(fd, start, size, os.POSIX_FADV_DONTNEED)
+                except (OSError, AttributeError):
+                    pass
+                chunks.append(np.frombuffer(data, np.uint8).reshape(n, table.row_bytes))
+            yield lo, chunks[0], chunks[1]
+    finally:
+        os.close(fa)
+        os.close(fb)
+
+
 def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequence: int = 0,
                model: str | None = None, chunk_rows: int = _CHUNK_ROWS, progress: bool = False,
                advance: Callable[[int], None] | None = None) -> Delta:
@@ -290,7 +315,7 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
 
     Both must be the same model with the same tables (count, rows, dim, precision) and the same
     dense partition (a delta carries table rows only). Rows are compared bit for bit, chunk by
-    chunk over memory maps. ``base_sequence``: the sequence ``old`` is served at (0: the version as
+    chunk with preads. ``base_sequence``: the sequence ``old`` is served at (0: the version as
     written; k: after k deltas). ``model``: the served model's name (default: the plan's model, e.g. rm2;
     a server also takes a delta named after the model it serves under). The folder is written beside
     ``out`` and renamed into place.
@@ -310,15 +335,18 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
     precisions = _precisions(old_plan, len(names))
     if _precisions(new_plan, len(names)) != precisions:
         raise DeltaError(f"{new / 'plan.json'}: table precisions differ from {old / 'plan.json'}'s")
+    from backends.table_store import open_table_file
+
     pairs = []
     for name in names:
-        a = np.load(old / "tables" / name, mmap_mode="r")
-        b = np.load(new / "tables" / name, mmap_mode="r")
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise DeltaError(f"{new / 'tables' / name}: {b.dtype} {list(b.shape)}; {old / 'tables' / name} is "
-                             f"{a.dtype} {list(a.shape)}")
+        try:
+            a, b = open_table_file(old / "tables" / name), open_table_file(new / "tables" / name)
+        except (ValueError, FileNotFoundError) as exc:
+            raise DeltaError(str(exc)) from None
+        if (a.rows, a.width, a.dtype) != (b.rows, b.width, b.dtype):
+            raise DeltaError(f"{b.path}: {b.dtype} [{b.rows}, {b.width}]; {a.path} is {a.dtype} [{a.rows}, {a.width}]")
         pairs.append((a, b))
-    total = sum(a.nbytes for a, _ in pairs)
+    total = sum(a.rows * a.row_bytes for a, _ in pairs)
     stop = lambda: None  # noqa: E731
     if advance is None:
         if progress:
@@ -333,14 +361,11 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
     try:
         for t, (a, b) in enumerate(pairs):
             ids_parts, row_parts = [], []
-            width_bytes = a.shape[1] * a.dtype.itemsize
-            for lo in range(0, a.shape[0], chunk_rows):
-                ca = np.ascontiguousarray(a[lo:lo + chunk_rows]).view(np.uint8).reshape(-1, width_bytes)
-                cb = np.ascontiguousarray(b[lo:lo + chunk_rows])
-                changed = np.flatnonzero((ca != cb.view(np.uint8).reshape(-1, width_bytes)).any(axis=1))
+            for lo, ca, cb in _chunk_pairs(a, b, chunk_rows):
+                changed = np.flatnonzero((ca != cb).any(axis=1))
                 if changed.shape[0]:
                     ids_parts.append(changed.astype(np.int64) + lo)
-                    row_parts.append(cb[changed])
+                    row_parts.append(cb[changed].view(b.dtype))
                 advance(ca.nbytes)
             if not ids_parts:
                 continue
@@ -348,7 +373,7 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
             rows = np.concatenate(row_parts)
             entry: dict[str, Any] = {"table": t, "rows": int(ids.shape[0]),
                                      "ids": _write_npy(tmp / f"table_{t:03d}.ids.npy", ids)}
-            if a.dtype == np.uint8 and precisions[t] in _PACKED:  # packed-only tables: their rows as they are
+            if a.dtype == np.dtype(np.uint8) and precisions[t] in _PACKED:  # packed-only tables: their rows as they are
                 entry["packed"] = {"precision": precisions[t], **_write_npy(tmp / f"table_{t:03d}.{precisions[t]}.npy",
                                                                               rows)}
             else:
