@@ -359,7 +359,7 @@ def test_concurrent_load_sees_old_or_new_never_a_mix(server, versions, answers):
         for t in threads:
             t.join(timeout=120)
     assert not errors, errors[:3]
-    assert sum(seen) > 0
+    assert sum(seen) > 0, seen
 
 
 def test_watched_folder_applies_in_order_and_skips_bad_ones(server, versions, answers, tmp_path):
