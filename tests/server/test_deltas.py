@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -478,3 +479,25 @@ def test_int8_tables_take_the_packed_rows(tmp_path, memory):
             background.stop()
     assert not _same(scores["v1"], scores["v2"])
     assert _same(scores["applied"], scores["v2"])
+
+
+def test_rest_upload_and_a_damaged_upload(server, versions, answers):
+    """REST load with the delta's files as base64 ``file:`` parameters (Triton's REST load convention)."""
+    import base64
+
+    def load(files: dict[str, bytes]) -> urllib.request.Request:
+        body = json.dumps({"parameters": {f"file:{k}": base64.b64encode(v).decode() for k, v in files.items()}})
+        return urllib.request.Request(f"http://{server.background.http_url}/v2/repository/models/tiered/load",
+                                      data=body.encode(), headers={"authorization": f"Bearer {TOKEN}"},
+                                      method="POST")
+
+    files = {p.name: p.read_bytes() for p in (versions / "d1").iterdir()}
+    damaged = dict(files)
+    name = next(k for k in files if k.endswith(".rows.npy"))
+    damaged[name] = damaged[name][:-4] + b"\0\0\0\1"
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(load(damaged), timeout=60)
+    assert caught.value.code == 400 and "checksum mismatch" in caught.value.read().decode()
+    assert _sequence(server.url, "tiered") == "0"
+    assert json.loads(urllib.request.urlopen(load(files), timeout=60).read())["sequence"] == 1
+    assert _same(_scores(server.url, "tiered"), answers["v2"]["tiered"])
