@@ -151,6 +151,7 @@ class DeltaLog:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.folder / STATE_FILE)
+        _fsync_dir(self.folder)
 
     def _entry_updates(self, entry: str, kind: str) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]],
                                                             dict[int, np.ndarray]]:
@@ -272,6 +273,7 @@ class DeltaLog:
             _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash before applied.json named it
             os.replace(tmp, final)
+            _fsync_dir(self.folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -328,6 +330,20 @@ def _fsync_tree(folder: Path) -> None:
     for p in folder.iterdir():
         with open(p, "rb") as f:
             os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (its directory entry)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def attach(served: Any, version_dir: str | Path) -> DeltaLog | None:
