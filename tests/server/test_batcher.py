@@ -9,6 +9,12 @@ import pytest
 
 from server.batcher import BatchingConfig, BatchInfo, DynamicBatcher
 from server.errors import DeadlineExceeded, InternalError, Overloaded, Unavailable
+from tests.virtual_time import loop_clock, virtual_time
+
+
+def _batcher(*args, **kwargs) -> DynamicBatcher:
+    """A DynamicBatcher on the running loop's clock (virtual: tests.virtual_time)."""
+    return DynamicBatcher(*args, clock=loop_clock(), **kwargs)
 
 
 def _request(rows: int, value: float) -> dict[str, np.ndarray]:
@@ -31,9 +37,10 @@ class Recorder:
         return {"y": y[:-1] if self.drop_row else y}
 
 
+@virtual_time
 async def test_requests_merge_into_one_batch_and_each_gets_its_own_rows() -> None:
     model = Recorder()
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=50_000), max_inflight=2)
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=50_000), max_inflight=2)
     results = await asyncio.gather(*(batcher.submit(_request(r, r), r) for r in (3, 5, 7)))
     assert model.batches == [15]
     for (outputs, info), rows in zip(results, (3, 5, 7)):
@@ -42,20 +49,22 @@ async def test_requests_merge_into_one_batch_and_each_gets_its_own_rows() -> Non
     await batcher.close()
 
 
+@virtual_time
 async def test_batches_never_exceed_max_rows_and_keep_arrival_order() -> None:
     model = Recorder()
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10, max_queue_delay_microseconds=20_000), max_inflight=1)
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=10, max_queue_delay_microseconds=20_000), max_inflight=1)
     results = await asyncio.gather(*(batcher.submit(_request(4, i), 4) for i in range(5)))
     assert model.batches == [8, 8, 4]
     assert [float(o["y"][0, 0]) for o, _ in results] == [0, 2, 4, 6, 8]
     await batcher.close()
 
 
+@virtual_time
 async def test_late_arrivals_that_fill_the_batch_send_it_before_the_delay() -> None:
     """Arrivals while the batch timer runs are not recounted one by one (a lazy wake), but the
     one that fills the batch, or overflows it, must still send it at once."""
     model = Recorder()
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10, max_queue_delay_microseconds=10_000_000),
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=10, max_queue_delay_microseconds=10_000_000),
                              max_inflight=1)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -75,25 +84,28 @@ async def test_late_arrivals_that_fill_the_batch_send_it_before_the_delay() -> N
     await batcher.close(drain=False)
 
 
+@virtual_time
 async def test_a_query_larger_than_a_batch_runs_alone() -> None:
     model = Recorder()
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=10), max_inflight=1)
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=10), max_inflight=1)
     (out, info), = await asyncio.gather(batcher.submit(_request(25, 1), 25))
     assert model.batches == [25] and out["y"].shape == (25, 2)
     await batcher.close()
 
 
+@virtual_time
 async def test_zero_delay_does_not_wait_for_company() -> None:
     model = Recorder()
-    batcher = DynamicBatcher(model, BatchingConfig(max_queue_delay_microseconds=0), max_inflight=1)
+    batcher = _batcher(model, BatchingConfig(max_queue_delay_microseconds=0), max_inflight=1)
     await batcher.submit(_request(1, 1), 1)
     await batcher.submit(_request(1, 1), 1)
     assert model.batches == [1, 1]
     await batcher.close()
 
 
+@virtual_time
 async def test_a_failed_batch_fails_every_request_in_it() -> None:
-    batcher = DynamicBatcher(Recorder(fail=True), BatchingConfig(max_queue_delay_microseconds=20_000), max_inflight=1)
+    batcher = _batcher(Recorder(fail=True), BatchingConfig(max_queue_delay_microseconds=20_000), max_inflight=1)
     results = await asyncio.gather(*(batcher.submit(_request(2, 1), 2) for _ in range(3)), return_exceptions=True)
     assert all(isinstance(r, InternalError) and "card on fire" in str(r) for r in results)
     # ...and the batcher keeps serving afterwards.
@@ -103,16 +115,18 @@ async def test_a_failed_batch_fails_every_request_in_it() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_a_model_that_loses_rows_is_caught() -> None:
-    batcher = DynamicBatcher(Recorder(drop_row=True), BatchingConfig(), max_inflight=1)
+    batcher = _batcher(Recorder(drop_row=True), BatchingConfig(), max_inflight=1)
     with pytest.raises(InternalError, match="did not preserve batch size"):
         await batcher.submit(_request(3, 1), 3)
     await batcher.close()
 
 
+@virtual_time
 async def test_close_answers_queued_requests_then_refuses_new_ones() -> None:
     model = Recorder(delay=0.02)
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=2, max_queue_delay_microseconds=0), max_inflight=1)
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=2, max_queue_delay_microseconds=0), max_inflight=1)
     pending = [asyncio.ensure_future(batcher.submit(_request(2, i), 2)) for i in range(4)]
     await asyncio.sleep(0.005)
     await batcher.close(drain=True)
@@ -128,9 +142,10 @@ def test_config_bounds_are_checked() -> None:
         BatchingConfig(max_queue_delay_microseconds=-1)
 
 
+@virtual_time
 async def test_a_full_queue_refuses_at_once_with_resource_exhausted() -> None:
     model = Recorder(delay=0.05)
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0,
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0,
                                                    max_queue_size=2), max_inflight=1)
     running = [asyncio.ensure_future(batcher.submit(_request(1, 0), 1))]
     await asyncio.sleep(0.01)  # the first batch is running
@@ -142,9 +157,10 @@ async def test_a_full_queue_refuses_at_once_with_resource_exhausted() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_a_request_past_its_deadline_is_dropped_before_compute() -> None:
     model = Recorder(delay=0.05)
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0), max_inflight=1)
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0), max_inflight=1)
     slow = asyncio.ensure_future(batcher.submit(_request(1, 1), 1))
     await asyncio.sleep(0.005)
     with pytest.raises(DeadlineExceeded, match="before compute"):
@@ -154,9 +170,10 @@ async def test_a_request_past_its_deadline_is_dropped_before_compute() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_the_default_timeout_applies_when_the_client_sets_none() -> None:
     model = Recorder(delay=0.05)
-    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0,
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0,
                                                    default_timeout_microseconds=10_000), max_inflight=1)
     slow = asyncio.ensure_future(batcher.submit(_request(1, 1), 1, timeout_s=1.0))
     await asyncio.sleep(0.005)
@@ -166,13 +183,14 @@ async def test_the_default_timeout_applies_when_the_client_sets_none() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_a_batch_of_no_wait_rows_leaves_at_once_and_a_smaller_one_waits() -> None:
     """A request of at least ``no_wait_rows`` rows is not held for the window (nothing would join
     it worth the wait); a smaller one is, until an arrival brings the batch to ``no_wait_rows``,
     which sends it at once (the lazy wake must not sleep through that arrival), uncut."""
     model = Recorder()
     config = BatchingConfig(max_batch_rows=1000, max_queue_delay_microseconds=10_000_000, no_wait_rows=8)
-    batcher = DynamicBatcher(model, config, max_inflight=1)
+    batcher = _batcher(model, config, max_inflight=1)
     big, _ = await asyncio.wait_for(batcher.submit(_request(8, 1), 8), 2.0)  # a 10 s window, not waited out
     assert model.batches == [8] and big["y"].shape == (8, 2)
     first = asyncio.ensure_future(batcher.submit(_request(3, 2), 3))
@@ -186,10 +204,11 @@ async def test_a_batch_of_no_wait_rows_leaves_at_once_and_a_smaller_one_waits() 
     await batcher.close()
 
 
+@virtual_time
 async def test_no_wait_rows_zero_holds_even_a_large_request_for_the_window() -> None:
     model = Recorder()
     config = BatchingConfig(max_batch_rows=1000, max_queue_delay_microseconds=10_000_000, no_wait_rows=0)
-    batcher = DynamicBatcher(model, config, max_inflight=1)
+    batcher = _batcher(model, config, max_inflight=1)
     waiting = asyncio.ensure_future(batcher.submit(_request(500, 1), 500))
     await asyncio.sleep(0.05)
     assert model.batches == [] and not waiting.done()

@@ -1,7 +1,8 @@
 """Priority levels, per-level queue policies (size, timeout, REJECT/DELAY) and preferred batch sizes.
 
-The batcher tests drive the real DynamicBatcher with a real async 'model'; the
-gRPC test serves rm1 on simulated cards and sends with stock tritonclient.
+The batcher tests drive the real DynamicBatcher with a real async 'model' on a virtual clock
+(tests.virtual_time: the order of events cannot depend on how busy the machine is); the gRPC test
+serves rm1 on simulated cards and sends with stock tritonclient.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from server.errors import DeadlineExceeded, InvalidInput, Overloaded
 from server.loader import load_partitioned
 from server.metrics import ServerMetrics
 from tests.conftest import free_port, triton_inputs
+from tests.virtual_time import loop_clock, virtual_time
 
 
 def _request(rows: int, tag: float) -> dict[str, np.ndarray]:
@@ -47,9 +49,10 @@ def _one_at_a_time(**config) -> tuple[Model, DynamicBatcher]:
     """One request per batch, one batch at a time, 50 ms each: the order the queue is served in shows."""
     model = Model(delay=0.05)
     batching = BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0, **config)
-    return model, DynamicBatcher(model, batching, max_inflight=1)
+    return model, DynamicBatcher(model, batching, max_inflight=1, clock=loop_clock())
 
 
+@virtual_time
 async def test_a_high_priority_request_queued_behind_low_ones_is_served_first() -> None:
     model, batcher = _one_at_a_time(priority_levels=2, default_priority_level=2)
     running = [asyncio.ensure_future(batcher.submit(_request(1, 0), 1))]
@@ -62,10 +65,12 @@ async def test_a_high_priority_request_queued_behind_low_ones_is_served_first() 
     await batcher.close()
 
 
+@virtual_time
 async def test_a_batch_fills_from_the_highest_level_down() -> None:
     model = Model(delay=0.05)
     batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=4, max_queue_delay_microseconds=0,
-                                                   priority_levels=3, default_priority_level=3), max_inflight=1)
+                                                   priority_levels=3, default_priority_level=3), max_inflight=1,
+                             clock=loop_clock())
     first = asyncio.ensure_future(batcher.submit(_request(4, 0), 4))
     await asyncio.sleep(0.01)
     queued = [asyncio.ensure_future(batcher.submit(_request(2, tag), 2, priority=p))
@@ -75,6 +80,7 @@ async def test_a_batch_fills_from_the_highest_level_down() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_each_level_has_its_own_queue_bound() -> None:
     model, batcher = _one_at_a_time(priority_levels=2, default_priority_level=2,
                                     priority_queue_policy={1: QueuePolicy(max_queue_size=1)})
@@ -90,6 +96,7 @@ async def test_each_level_has_its_own_queue_bound() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_a_priority_the_model_does_not_have_is_refused() -> None:
     _, batcher = _one_at_a_time(priority_levels=2, default_priority_level=1)
     with pytest.raises(InvalidInput, match="'priority' is 3 .*priority_levels 2"):
@@ -100,6 +107,7 @@ async def test_a_priority_the_model_does_not_have_is_refused() -> None:
     await plain.close()
 
 
+@virtual_time
 @pytest.mark.parametrize("action", ["REJECT", "DELAY"])
 async def test_a_timed_out_request_is_rejected_or_delayed_behind_the_others(action: str) -> None:
     model, batcher = _one_at_a_time(default_timeout_microseconds=20_000, timeout_action=action)
@@ -119,6 +127,7 @@ async def test_a_timed_out_request_is_rejected_or_delayed_behind_the_others(acti
     await batcher.close()
 
 
+@virtual_time
 async def test_without_timeout_override_the_client_timeout_is_ignored() -> None:
     model, batcher = _one_at_a_time(allow_timeout_override=False)
     running = asyncio.ensure_future(batcher.submit(_request(1, 0), 1))
@@ -129,6 +138,7 @@ async def test_without_timeout_override_the_client_timeout_is_ignored() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_a_request_whose_client_left_is_dropped_before_compute() -> None:
     model, batcher = _one_at_a_time()
     running = asyncio.ensure_future(batcher.submit(_request(1, 0), 1))
@@ -144,24 +154,26 @@ async def test_a_request_whose_client_left_is_dropped_before_compute() -> None:
     await batcher.close()
 
 
+@virtual_time
 async def test_reaching_a_preferred_size_dispatches_without_waiting_out_the_delay() -> None:
     model = Model()
     batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=300_000,
-                                                   preferred_batch_rows=(8,)), max_inflight=1)
-    t0 = time.perf_counter()
+                                                   preferred_batch_rows=(8,)), max_inflight=1, clock=loop_clock())
+    t0 = loop_clock()()
     results = await asyncio.gather(*(batcher.submit(_request(r, r), r) for r in (5, 4, 6)))
     elapsed = [info.queue_s for _, info in results]
     # 5 + 4 crosses 8: those two leave at once; 6 alone reaches no preferred size and waits the 300 ms.
     assert model.batches == [[5, 4], [6]]
     assert elapsed[0] < 0.1 and elapsed[1] < 0.1, elapsed
-    assert elapsed[2] >= 0.25 and time.perf_counter() - t0 >= 0.25, elapsed
+    assert elapsed[2] >= 0.25 and loop_clock()() - t0 >= 0.25, elapsed
     await batcher.close()
 
 
+@virtual_time
 async def test_without_a_preferred_size_the_batch_waits_for_the_delay() -> None:
     model = Model()
     batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=100_000),
-                             max_inflight=1)
+                             max_inflight=1, clock=loop_clock())
     results = await asyncio.gather(*(batcher.submit(_request(r, r), r) for r in (5, 4)))
     assert model.batches == [[5, 4]] and all(info.queue_s >= 0.09 for _, info in results)
     await batcher.close()
