@@ -36,8 +36,8 @@ def test_perf_analyzer_with_real_tensors(perf_analyzer, served_rm2, tmp_path) ->
                                                  tmp_path / "input.json")
     assert count == 3
     cmd = [str(perf_analyzer), "-m", "rm2", "-i", "grpc", "-u", served_rm2.url, "--input-data", str(input_data),
-           "--concurrency-range", "1:2", "--measurement-interval", "1500", "--stability-percentage", "100",
-           "--max-trials", "3"]
+           "--concurrency-range", "1:2", "--measurement-interval", "1500", "--stability-percentage", "999",
+           "--max-trials", "6"]  # NOTE: loose stability: a busy machine must not fail a protocol test
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
