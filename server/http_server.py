@@ -17,6 +17,10 @@ import uvicorn
 __all__ = ["RestServer"]
 
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle REST connection stays open: longer than common load balancers' idle timeout (60 s)."""
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -32,9 +36,13 @@ class RestServer:
         self.host, self.requested_port = host, port
         self.port: int | None = None
         # NOTE: log_config=None leaves the process's logging alone; uvicorn's own logger only warns.
+        # Keep-alive 75 s, not uvicorn's 5: a client (or a load balancer, ALB/nginx idle 60 s) that reuses
+        # an idle connection just as the server closes it gets "server disconnected" on a POST it cannot
+        # safely retry; tritonclient.http.aio hit it when building large JSON bodies took > 5 s.
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, log_level="warning",
                                      access_log=False, server_header=False, ssl_certfile=tls_cert,
-                                     ssl_keyfile=tls_key, timeout_graceful_shutdown=max(1, int(grace_seconds)))
+                                     ssl_keyfile=tls_key, timeout_graceful_shutdown=max(1, int(grace_seconds)),
+                                     timeout_keep_alive=KEEP_ALIVE_S)
         self._server = _EmbeddedUvicorn(self.config)
         self._task: asyncio.Task | None = None
 

@@ -112,6 +112,22 @@ def test_rest_off_by_default_in_the_library_and_closed_after_stop(rm1) -> None:
         urllib.request.urlopen(f"http://{url}/v2/health/live", timeout=5)
 
 
+def test_an_idle_keep_alive_connection_outlives_uvicorns_default_5_s(rm1) -> None:
+    import time
+
+    with _server(rm1, http_port=0) as server:
+        host, port = server.http_url.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("GET", "/v2/health/ready")
+            assert conn.getresponse().read() == b""
+            time.sleep(6.0)  # past uvicorn's default keep-alive (5 s), well inside ours (75 s)
+            conn.request("GET", "/v2/health/live")  # the same connection: http.client would not reconnect
+            assert conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+
 def test_sixfold_serve_http_port() -> None:
     port = free_port()
     serve = ServeProcess("--model", "rm1", "--max-rows", "300", "--cards", "1", "--backend", "onnxruntime",
