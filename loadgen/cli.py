@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     mlperf.add_argument("--mlperf-log-dir", default="runs/mlperf",
                         help="where LoadGen writes mlperf_log_summary.txt and mlperf_log_detail.txt "
                              "(default runs/mlperf)")
+    mlperf.add_argument("--mlperf-warmup-queries", type=int, default=32,
+                        help="queries sent one at a time before LoadGen starts, not timed (default 32; 0: none)")
     mlperf.add_argument("--mlperf-require-valid", action="store_true",
                         help="exit 3 when LoadGen judges the run INVALID or a request failed")
     p.add_argument("--processes", type=int, default=1,
@@ -163,12 +165,14 @@ def _mlperf_settings(args: argparse.Namespace) -> Any:
                          ("--concurrency", args.concurrency)):
         if number is not None and number < 1:
             raise ValueError(f"{flag} must be >= 1, got {number}")
+    if args.mlperf_warmup_queries < 0:
+        raise ValueError(f"--mlperf-warmup-queries must be >= 0, got {args.mlperf_warmup_queries}")
     return MLPerfSettings(
         scenario=args.mlperf_scenario, qps=args.qps, latency_ms=args.mlperf_latency_ms,
         latency_percentile=args.mlperf_latency_percentile,
         min_duration_s=args.duration if args.duration is not None else MLPERF_MIN_DURATION_S,
         min_queries=args.mlperf_min_queries, samples=args.mlperf_samples, log_dir=args.mlperf_log_dir,
-        offline_inflight=args.concurrency or 8)
+        offline_inflight=args.concurrency or 8, warmup_queries=args.mlperf_warmup_queries)
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:

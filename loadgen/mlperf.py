@@ -74,6 +74,9 @@ class MLPerfSettings:
     """Offline: requests outstanding at once."""
     request_timeout_s: float = 30.0
     """A request unanswered this long fails (its sample completes empty), so LoadGen cannot hang."""
+    warmup_queries: int = 32
+    """QSL queries sent one at a time before LoadGen starts (not timed, as submissions warm up), so the
+    first timed queries do not pay for the server's cold start (first allocations, tuners); 0: none."""
 
     def __post_init__(self) -> None:
         if self.scenario not in ("server", "offline"):
@@ -88,6 +91,8 @@ class MLPerfSettings:
             raise ValueError(f"min_queries must be >= 1, got {self.min_queries}")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.warmup_queries < 0:
+            raise ValueError(f"warmup_queries must be >= 0, got {self.warmup_queries}")
         if self.offline_inflight < 1:
             raise ValueError(f"offline_inflight must be >= 1, got {self.offline_inflight}")
 
@@ -233,6 +238,16 @@ class _SUT:
             await asyncio.wait(set(self.tasks), timeout=timeout_s)
 
 
+async def _warm_up(transport: Transport, payloads: list[Any], items: np.ndarray, settings: MLPerfSettings) -> None:
+    """Send ``settings.warmup_queries`` QSL queries one after another; their outcomes are not judged."""
+    for k in range(settings.warmup_queries):
+        index = k % len(payloads)
+        try:
+            await asyncio.wait_for(transport.infer(payloads[index], int(items[index])), settings.request_timeout_s)
+        except Exception:  # noqa: BLE001 - a failed warm-up query shows again in the timed run
+            pass
+
+
 def _test_settings(lg: Any, settings: MLPerfSettings) -> Any:
     ts = lg.TestSettings()
     ts.scenario = lg.TestScenario.Server if settings.scenario == "server" else lg.TestScenario.Offline
@@ -292,6 +307,7 @@ def run_mlperf(config: LoadConfig, settings: MLPerfSettings, *,
             items = np.asarray(parse_query_sizes(config.query_size).sample(rng, settings.samples), dtype=np.int64)
             generator = generator_for(config, target.shape)
             payloads = [target.transport.prepare(generator.make(int(n))) for n in items]
+            call(_warm_up(target.transport, payloads, items, settings))
             sut = _SUT(lg, loop, target.transport, payloads, items, settings)
             lg_sut = lg.ConstructSUT(sut.issue_queries, sut.flush_queries)
             lg_qsl = lg.ConstructQSL(len(payloads), len(payloads), lambda _: None, lambda _: None)

@@ -86,12 +86,30 @@ def test_offline_scenario_completes(server, tmp_path, capsys):
     assert report["samples_per_s"] > 0 and summary["samples_per_s"] == report["samples_per_s"]
 
 
+def test_warm_up_queries_reach_the_server_before_the_timed_run(server, tmp_path, capsys):
+    import tritonclient.grpc as tc
+
+    def served() -> int:
+        with tc.InferenceServerClient(server.url) as client:
+            stats = client.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+        return int(stats["inference_stats"]["success"].get("count", 0))
+
+    before = served()
+    code, _ = run(server, tmp_path, "--mlperf-scenario", "offline", "--qps", "40", "--duration", "1",
+                  "--mlperf-min-queries", "20", "--concurrency", "2", "--mlperf-warmup-queries", "5")
+    assert code == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "logs.json").read_text())
+    assert report["settings"]["warmup_queries"] == 5
+    assert served() - before == report["samples_sent"] + 5  # timed samples plus the untimed warm-up
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--mlperf-scenario", "server"), "needs --qps"),
     (("--mlperf-scenario", "server", "--qps", "5", "--concurrency", "2"), "--concurrency applies"),
     (("--mlperf-scenario", "server", "--qps", "5", "--find-max-qps"), "--find-max-qps does not go"),
     (("--mlperf-scenario", "server", "--qps", "5", "--mlperf-latency-percentile", "100"), "percentile"),
     (("--mlperf-scenario", "offline", "--qps", "5", "--mlperf-min-queries", "0"), "--mlperf-min-queries"),
+    (("--mlperf-scenario", "server", "--qps", "5", "--mlperf-warmup-queries", "-1"), "--mlperf-warmup-queries"),
 ])
 def test_bad_arguments_exit_2(extra, message, capsys):
     code = main(["--url", "127.0.0.1:1", "--model", MODEL, *extra])
