@@ -45,7 +45,10 @@ STAGES = ("decode", "validate", "queue", "host", "card", "finish", "encode")
 
 
 def traced_serve(argv: list[str], out: str) -> int:
-    """Run sixfold-serve's main with per-request stamps; write them to ``out`` (JSON lines) on SIGTERM."""
+    """Run sixfold-serve's main with per-request stamps; write them to ``out`` (JSON) on SIGUSR1."""
+    tree = os.environ.get("SIXFOLD_BREAKDOWN_TREE")
+    if tree:  # serve another tree's code (a before/after comparison)
+        sys.path.insert(0, tree)
     from server import model as model_mod
     from server import servicer as servicer_mod
     from server.cli import main
@@ -160,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--tree", action="append", default=[], metavar="DIR",
+                   help="also serve the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`); repeatable; "
+                        "'.' is this tree. With --rounds, the trees alternate at each rate, order rotated per round")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every (rate, tree) this many times")
     args = p.parse_args(argv)
 
     import models
@@ -168,14 +175,23 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = models.get_config(args.model, max_rows=args.max_rows)
     results = []
+    trees = args.tree or ["."]
+    runs = []
     for qps in [float(q) for q in args.qps.split(",")]:
+        for r in range(args.rounds):
+            k = r % len(trees)
+            runs += [(qps, tree) for tree in trees[k:] + trees[:k]]
+    for qps, tree in runs:
         trace = f"/tmp/sixfold-breakdown-{os.getpid()}.json"
+        env = {**os.environ}
+        if tree != ".":
+            env["SIXFOLD_BREAKDOWN_TREE"] = str(Path(tree).resolve())
         serve = [sys.executable, __file__, "--traced-serve", trace, "--model", args.model, "--max-rows",
                  str(args.max_rows), "--cards", str(args.cards), "--host", "127.0.0.1", "--grpc-port", "0",
                  "--metrics-port", "-1", "--http-port", "-1", "--drain-seconds", "0", *extra]
         log_path = Path(trace).with_suffix(".log")
         with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(serve, stdout=log_file, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            proc = subprocess.Popen(serve, stdout=log_file, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
         url = ""
         while not url and proc.poll() is None:
             time.sleep(0.2)
@@ -201,12 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server log: {len(problems)} warnings/errors, e.g. " + " | ".join(problems[:3]))
         b = breakdown(records)
         client = report.latency_ms
-        row = {"qps": qps, "load": [round(load_before, 2), round(load_after, 2)],
+        row = {"qps": qps, "tree": tree, "load": [round(load_before, 2), round(load_after, 2)],
                "client_p50_ms": client["p50"], "client_p99_ms": client["p99"],
                "ok": report.requests["ok"], "errors": report.requests["errors"],
                "errors_by_reason": report.errors_by_reason, **b}
         results.append(row)
-        print(f"{args.model} {qps:g} q/s (load {load_before:.1f} -> {load_after:.1f}): client p50 {client['p50']} "
+        print(f"{args.model} [{tree}] {qps:g} q/s (load {load_before:.1f} -> {load_after:.1f}): client p50 {client['p50']} "
               f"p99 {client['p99']} ms; {report.requests['ok']} ok, {report.requests['errors']} errors {dict(report.errors_by_reason)}; "
               f"batches mean {b.get('batch_rows_mean', 0):.0f} rows / {b.get('batch_requests_mean', 0):.2f} requests")
         for name in (*STAGES, "server"):
