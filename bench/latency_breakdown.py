@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                "ok": report.requests["ok"], "errors": report.requests["errors"],
                "errors_by_reason": report.errors_by_reason, **b}
         results.append(row)
-        print(f"{args.model} [{tree}] {qps:g} q/s (load {load_before:.1f} -> {load_after:.1f}): client p50 {client['p50']} "
-              f"p99 {client['p99']} ms; {report.requests['ok']} ok, {report.requests['errors']} errors {dict(report.errors_by_reason)}; "
+        print(f"{args.model} [{tree}] {qps:g} q/s (load {load_before:.1f} -> {load_after:.1f}): "
+              f"client p50 {client['p50']} p99 {client['p99']} ms; {report.requests['ok']} ok, "
+              f"{report.requests['errors']} errors {dict(report.errors_by_reason)}; "
               f"batches mean {b.get('batch_rows_mean', 0):.0f} rows / {b.get('batch_requests_mean', 0):.2f} requests")
         for name in (*STAGES, "server"):
             s = b.get(name)

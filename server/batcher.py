@@ -14,7 +14,8 @@ Scheduling follows Triton's dynamic batcher, in rows instead of requests:
   batch is filled in priority order: level 1 first, then level 2, and so on,
   and stops at the first request that does not fit (no reordering past it).
 * A batch leaves when it is full (``max_batch_rows``, or the next request does
-  not fit), when it holds at least ``no_wait_rows`` rows, when it reaches a preferred size (``preferred_batch_rows``: it is cut
+  not fit), when it holds at least ``no_wait_rows`` rows, when it reaches a
+  preferred size (``preferred_batch_rows``: it is cut
   just after the largest preferred size it crosses), or when its oldest request
   has waited ``max_queue_delay_microseconds``. It is formed only when a batch
   slot is free (``max_inflight``), so late arrivals of higher priority still

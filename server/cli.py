@@ -106,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
     p.add_argument("--max-queue-work-ms", type=float, default=DEFAULT_QUEUE_WORK_MS,
-                   help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it (its own not counted) would take "
-                        f"longer than this to serve (default {DEFAULT_QUEUE_WORK_MS:g}: a 60 ms p99 SLA's queue budget; 0: off)")
+                   help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it (its own not "
+                        f"counted) would take longer than this to serve (default {DEFAULT_QUEUE_WORK_MS:g}: a 60 ms p99 SLA's queue budget; 0: off)")
     p.add_argument("--max-queue-bytes-mb", type=int, default=DEFAULT_QUEUE_BYTES >> 20,
                    help=f"MiB of inputs queued requests may hold (default {DEFAULT_QUEUE_BYTES >> 20}; 0: unbounded)")
     p.add_argument("--default-timeout-us", type=int, default=DEFAULT_TIMEOUT_US,
