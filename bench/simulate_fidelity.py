@@ -14,7 +14,7 @@ defaults, two ways:
 * **calibrated**: the host stage and host-dense stage priced by lines fitted to their measured
   times on this host (the server's own executables, in this process, before the run), and the
   front end (transport, decode, validation: what the stages leave out) by a line through what lone
-  queries of 300, 500 and 700 items take on the idle server beyond the simulated stages.
+  queries of 100, 200, 400 and 700 items take on the idle server beyond the simulated stages.
 
 The machine is shared: the load average is reported with each figure. Goal: simulated p50 and
 p99 within 15% of measured.
@@ -47,8 +47,8 @@ from server.process import ReadyProcess  # noqa: E402
 SECTION = "simulate-fidelity"
 COMMAND = ".venv/bin/python bench/simulate_fidelity.py"
 GOAL = 0.15
-PROBE_SIZES = (300, 500, 700)
-"""Lone-query sizes probed on the idle server (above the host-dense limit, 256: they always use the cards)."""
+PROBE_SIZES = (100, 200, 400, 700)
+"""Lone-query sizes probed on the idle server: the MLPerf mix's range (host-dense is off: all use the cards)."""
 SLOW_CARD = {
     "name": "slow-card", "kind": "card", "description": "a deliberately slow card: simcard never lags on 2 cores",
     "memory_bytes": 4 << 30, "peak_flops": {"fp32": 2e9, "fp16": 2e9, "int8": 2e9},
