@@ -220,11 +220,5 @@ def quantize_lookups(partitioned, precision: str) -> None:
     param_bytes = module_param_bytes(module)
     partitioned.artifacts[HOST_PARTITION] = dataclasses.replace(
         old, payload=module, param_bytes=param_bytes, metadata={**old.metadata, "precision": precision})
-    plan = partitioned.plan
-    info = plan.partition(HOST_PARTITION)
-    saved = info.param_bytes - param_bytes
-    info.param_bytes = param_bytes
-    for d in plan.estimates.per_device:
-        if HOST_PARTITION in d.partitions:
-            d.memory_bytes = max(0, d.memory_bytes - saved)
-    plan.tables["precision"] = precision
+    partitioned.plan.resize_partition(HOST_PARTITION, param_bytes)
+    partitioned.plan.tables["precision"] = precision

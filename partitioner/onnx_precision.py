@@ -117,11 +117,5 @@ def quantize_onnx_lookups(partitioned, precision: str) -> None:
         old, payload=model.SerializeToString(), param_bytes=param_bytes,
         metadata={**old.metadata, "precision": precision})
     partitioned.variants[HOST_PARTITION] = [old]  # the fp32 reference for the accuracy report
-    plan = partitioned.plan
-    info = plan.partition(HOST_PARTITION)
-    saved = info.param_bytes - param_bytes
-    info.param_bytes = param_bytes
-    for d in plan.estimates.per_device:
-        if HOST_PARTITION in d.partitions:
-            d.memory_bytes = max(0, d.memory_bytes - saved)
-    plan.tables["precision"] = precision
+    partitioned.plan.resize_partition(HOST_PARTITION, param_bytes)
+    partitioned.plan.tables["precision"] = precision

@@ -127,6 +127,16 @@ class PartitionPlan:
                 return p
         raise KeyError(f"plan has no partition {name!r}; it has {[p.name for p in self.partitions]}")
 
+    def resize_partition(self, name: str, param_bytes: int) -> None:
+        """Record a partition's new weight size (e.g. after quantizing it); the devices holding it
+        get the difference back in their memory estimate."""
+        info = self.partition(name)
+        saved = info.param_bytes - param_bytes
+        info.param_bytes = param_bytes
+        for d in self.estimates.per_device:
+            if name in d.partitions:
+                d.memory_bytes = max(0, d.memory_bytes - saved)
+
     def device(self, device_id: str) -> DeviceInfo:
         for d in self.devices:
             if d.id == device_id:
