@@ -308,6 +308,22 @@ def _chunk_pairs(a: Any, b: Any, chunk_rows: int):
         os.close(fb)
 
 
+def _fresh_stage(out: Path) -> Path:
+    """An empty folder beside ``out`` to write a delta into before it is published whole."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, meta: dict, out: Path) -> None:
+    """Write the delta's description last, then put the folder in place of ``out`` in one rename."""
+    (tmp / DELTA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
 def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequence: int = 0,
                model: str | None = None, chunk_rows: int = _CHUNK_ROWS, progress: bool = False,
                advance: Callable[[int], None] | None = None) -> Delta:
@@ -354,9 +370,7 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
             advance, stop = _progress(total, f"comparing {len(names)} tables", True)
         else:
             advance = lambda n: None  # noqa: E731
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_stage(out)
     entries = []
     try:
         for t, (a, b) in enumerate(pairs):
@@ -390,10 +404,7 @@ def make_delta(old: str | Path, new: str | Path, out: str | Path, *, base_sequen
                 "sequence": base_sequence + 1, "fingerprint": version_fingerprint(new, new_plan),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "source": {"old": str(old), "new": str(new)}, "tables": entries}
-        (tmp / DELTA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _publish(tmp, meta, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -414,9 +425,7 @@ def write_delta(out: str | Path, model: str, base_sequence: int, base_fingerprin
     packed rows for tables served quantized. The new fingerprint chains the base and the delta's files.
     """
     out = Path(out)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_stage(out)
     digest = hashlib.sha256(base_fingerprint.encode())
     entries = []
     try:
@@ -438,10 +447,7 @@ def write_delta(out: str | Path, model: str, base_sequence: int, base_fingerprin
                 "base": {"sequence": base_sequence, "fingerprint": base_fingerprint},
                 "sequence": base_sequence + 1, "fingerprint": "sha256:" + digest.hexdigest(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tables": entries}
-        (tmp / DELTA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _publish(tmp, meta, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
