@@ -144,16 +144,9 @@ def plan_requests(plan: PartitionPlan, seed: int) -> RequestGenerator:
     tables = int(shapes[LENGTHS][1])
     rows = plan.tables.get("rows") or [1] * tables  # unknown row counts: id 0, valid in any table
     pooling = plan.tables.get("pooling") or [1] * tables
-    cls = _FixedPooling if plan.tables.get("fixed_pooling") else RequestGenerator
-    return cls(tuple(int(r) for r in rows), int(shapes[DENSE][1]), tuple(int(p) for p in pooling),
-               zipf=plan.tables.get("zipf", 1.05), seed=seed)
-
-
-class _FixedPooling(RequestGenerator):
-    """Exactly ``pooling`` ids per (item, table): a model file traced at a fixed pooling may reshape by it."""
-
-    def lengths(self, items: int) -> np.ndarray:
-        return np.tile(self.pooling.astype(np.int32), (items, 1))
+    return RequestGenerator(tuple(int(r) for r in rows), int(shapes[DENSE][1]), tuple(int(p) for p in pooling),
+                            zipf=plan.tables.get("zipf", 1.05), seed=seed,
+                            fixed_pooling=bool(plan.tables.get("fixed_pooling")))
 
 
 class _Path:

@@ -88,7 +88,6 @@ class SixfoldServer:
         self._server: grpc.aio.Server | None = None
         self._rest: RestServer | None = None
         self._health = HealthServicer()
-        self._serving_metrics = False
         self.metrics_port: int | None = None
         """The bound /metrics port, once started with ``config.metrics_port`` set."""
         self._drain_over: asyncio.Event | None = None
@@ -129,7 +128,6 @@ class SixfoldServer:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port,
                                                    tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                                                    token=self.config.metrics_token)
-            self._serving_metrics = True
         return self.port
 
     async def stop(self) -> None:
@@ -159,9 +157,9 @@ class SixfoldServer:
             await self._rest.stop()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
-        if self._serving_metrics:
+        if self.metrics_port is not None:
             self.metrics.close()
-            self._serving_metrics = False
+            self.metrics_port = None
 
     def end_drain(self) -> None:
         """End the drain grace now (sixfold-serve: a second SIGTERM or Ctrl-C); call on the server's loop."""
