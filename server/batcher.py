@@ -35,8 +35,8 @@ the service rate measured on finished batches (Little's law: a batch that ran
 with k batches in flight for t seconds drained k x its estimate in t), so the
 bound is in real seconds whatever the cost model's scale. A request alone in the
 queue is always admitted: a query larger than the bound can still run. When a
-burst of large requests (>= 1 MiB each) has drained and no batch runs, freed heap pages are given
-back to the kernel (``server.allocator.give_back_freed_memory``), off the event
+burst of large requests (>= 1 MiB each; ``trim_after_bytes`` queued and running at one time) has drained and no
+batch runs, freed heap pages are given back to the kernel (``server.allocator.give_back_freed_memory``), off the event
 loop, at most once a second.
 """
 
@@ -81,8 +81,14 @@ loaded machine's pauses are not turned into errors; a deployment sets its SLA.""
 DEFAULT_QUEUE_BYTES = 512 * _MIB
 """Bytes of inputs queued at most: ~16 of the largest sensible query (a 1000-item rm2 query is
 ~32 MB, nearly all ids); the host keeps a bounded share of its memory for requests in wait."""
-TRIM_AFTER_BYTES = 64 * _MIB
-"""A burst whose queued bytes reached this is given back to the kernel once drained."""
+TRIM_AFTER_BYTES = 128 * _MIB
+"""A burst whose queued bytes reached this at one time is given back to the kernel once drained.
+
+NOTE: the peak held at once, not a running total: steady traffic of large queries (rm2's 700-item
+query is 21 MB) would otherwise trim after every few of them, and each batch after a trim faults
+its buffers in again and waits on the trim's arena lock (measured on rm2 at 3 q/s of MLPerf-sized
+queries: host stage of a 700-item query 33.5 -> 21.6 ms median, client p99 171 -> 60 ms). Twice a
+few of the largest queries queued, so a server near its rate keeps its buffers."""
 DEFAULT_NO_WAIT_ROWS = 256
 """A batch this large leaves without waiting out the window: it fills a card (256 rows, the
 default ``max_card_batch_rows``), so a partner would only wait for it."""
@@ -323,8 +329,9 @@ class DynamicBatcher:
                  trim: Callable[[], object] | None = give_back_freed_memory,
                  trim_after_bytes: int = TRIM_AFTER_BYTES, trim_every_s: float = 1.0) -> None:
         """``cost(inputs, rows) -> seconds``: a request's estimated work (None: the work bound is off).
-        ``trim``: gives freed memory back after ``trim_after_bytes`` of large requests (>= 1 MiB) drained
-        (None: never), at most once every ``trim_every_s``."""
+        ``trim``: gives freed memory back once requests that held ``trim_after_bytes`` at one time (queued
+        and running, counted as large ones, >= 1 MiB, arrive) (or half of ``max_queue_bytes``, if less) have drained (None: never), at most once
+        every ``trim_every_s``."""
         self._run_batch = run_batch
         self.config = config
         self._max_inflight = max_inflight
@@ -354,8 +361,12 @@ class DynamicBatcher:
         """max_queue_work_ms in estimated seconds: the bound over the measured scale."""
         self._bytes = 0
         self._burst = 0
-        """Bytes of large requests (>= 1 MiB; refused ones included) since memory was last given back."""
+        """Most bytes of requests queued and running at one time (counted when a large one, >= 1 MiB,
+        arrives; refused ones included) since the queue last drained."""
+        self._running_bytes = 0
         self._running = 0
+        if config.max_queue_bytes:  # NOTE: a queue bounded below the mark could never reach it
+            trim_after_bytes = min(trim_after_bytes, config.max_queue_bytes // 2)
         self._trim, self._trim_after, self._trim_every = trim, trim_after_bytes, trim_every_s
         self._last_trim = -math.inf
         self._trims = 0
@@ -430,8 +441,10 @@ class DynamicBatcher:
         nbytes = 0
         for array in inputs.values():
             nbytes += array.nbytes
-        if nbytes >= _MIB:  # NOTE: small requests reuse the heap's buffers; large ones are what a burst leaves
-            self._burst += nbytes
+        if nbytes >= _MIB and self._bytes + self._running_bytes + nbytes > self._burst:
+            # NOTE: small requests reuse the heap's buffers; large ones held together (queued or
+            # running) are a burst (a refused one too: its bytes were decoded)
+            self._burst = self._bytes + self._running_bytes + nbytes
         if self._bytes:  # NOTE: a request alone is always admitted (the message size limit bounds it)
             self._admit_bytes(nbytes)
         cost = 0.0
@@ -654,6 +667,7 @@ class DynamicBatcher:
         """Give freed memory back once a burst of large requests has drained and no batch runs: off the
         loop, at most once every ``trim_every_s``."""
         if self._trim is None or self._burst < self._trim_after:
+            self._burst = 0  # drained below the mark: the next burst is measured afresh
             return
         now = time.monotonic()
         if now - self._last_trim < self._trim_every:
@@ -674,6 +688,8 @@ class DynamicBatcher:
     async def _execute(self, batch: list[Queued], concurrency: int = 1) -> None:
         assert self._inflight is not None
         started = self._clock()
+        held = sum(p.nbytes for p in batch)
+        self._running_bytes += held
         try:
             rows = sum(p.rows for p in batch)
             info = BatchInfo(rows=rows, requests=len(batch))
@@ -704,6 +720,7 @@ class DynamicBatcher:
                 self._measured(batch, concurrency, self._clock() - started)
         finally:
             self._running -= 1
+            self._running_bytes -= held
             self._inflight.release()
             if not self._bytes and not self._running:
                 self._maybe_trim()

@@ -206,6 +206,30 @@ async def test_memory_is_given_back_once_a_burst_of_bytes_drains_at_most_once_a_
     await batcher.close()
 
 
+async def test_large_requests_one_at_a_time_are_no_burst_and_keep_their_memory() -> None:
+    # Steady traffic of large queries, each alone in the queue: their running total passes the mark
+    # many times over, but the queue never held it at once, so nothing is given back (a trim there
+    # made every next batch fault its buffers in again).
+    calls: list[float] = []
+    model = HeldModel()
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0),
+                             max_inflight=1, trim=lambda: calls.append(time.monotonic()),
+                             trim_after_bytes=2 * MIB, trim_every_s=0.0)
+    model.gate.set()
+    for _ in range(6):
+        await batcher.submit(_request(MIB // 8), MIB // 8)  # 1 MiB each, 6 MiB in all
+        await asyncio.sleep(0.06)
+    assert calls == [] and batcher.trims == 0
+    model.gate.clear()
+    burst = [asyncio.ensure_future(batcher.submit(_request(MIB // 8), MIB // 8)) for _ in range(3)]
+    await _settle()
+    assert batcher.queued_bytes == 2 * MIB  # the mark, held at once
+    model.gate.set()
+    await _drain(burst)
+    await asyncio.sleep(0.2)
+    assert len(calls) == 1
+
+
 def test_plan_cost_prices_ids_on_the_host_and_items_on_the_cards() -> None:
     from partitioner.compile import partition_builtin
 
