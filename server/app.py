@@ -18,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
 from .allocator import keep_freed_memory
+from .gc_pause import freeze_loaded_objects
 from .core import InferenceCore
 from .http_app import build_app
 from .http_server import RestServer
@@ -128,6 +129,7 @@ class SixfoldServer:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port,
                                                    tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                                                    token=self.config.metrics_token)
+        freeze_loaded_objects()  # full collections would otherwise walk every loaded module (server.gc_pause)
         return self.port
 
     async def stop(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -43,7 +44,15 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         # Read at scrape time from the metrics thread: the queue's length, whichever batcher is set by then.
-        self._metrics.pending = lambda: self.batcher.queued if self.batcher is not None else 0
+        # NOTE: through a weak reference: the metrics outlive an unloaded version, which must not keep its
+        # tables and cards alive (it did: a lambda over self held every unloaded model).
+        model = weakref.ref(self)
+
+        def pending() -> int:
+            served = model()
+            return served.batcher.queued if served is not None and served.batcher is not None else 0
+
+        self._metrics.pending = pending
 
     # NOTE: cached: the plan does not change once served, and these are read on every request.
     @cached_property

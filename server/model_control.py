@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .core import InferenceCore
 from .errors import ModelNotFound, ServingError, Unavailable
+from .gc_pause import freeze_loaded_objects, thaw
 from .model import ServedModel
 from .repository import ModelRepository, RepositoryError
 
@@ -96,6 +97,8 @@ class ModelControl:
             stale = [v for v in current if v not in wanted]
             for version in stale:
                 await self._retire(name, version)
+            if loaded or stale:
+                freeze_loaded_objects()  # what is served now out of full collections (server.gc_pause)
             self._states.pop(name, None)
             for model in loaded:
                 log.info("model %s version %s ready", name, model.version,
@@ -110,6 +113,7 @@ class ModelControl:
                 raise ModelNotFound(f"model '{name}' is not loaded; loaded: {sorted(self.core.versions)}")
             for version in versions:
                 await self._retire(name, version)
+            freeze_loaded_objects()  # collects what the retired versions left, freezes the rest again
             self._states[name] = ModelState(name, "", "UNAVAILABLE", "unloaded")
             return versions
 
@@ -121,5 +125,6 @@ class ModelControl:
                  extra={"event": "model_unloading", "model": name, "version": version})
         await model.batcher.close(drain=True)
         await asyncio.to_thread(model.runtime.close)
+        thaw()  # its objects may be frozen: the collector must see its cycles (the caller refreezes)
         log.info("model %s version %s unloaded", name, version,
                  extra={"event": "model_unloaded", "model": name, "version": version})

@@ -158,7 +158,9 @@ async def test_pending_requests_are_the_model_queue_length():
     metrics = ServerMetrics()
     batcher = DynamicBatcher(run_batch, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0),
                              max_inflight=1)
-    ServedModel(name="m", version="2", plan=None, runtime=None, batcher=batcher, metrics=metrics)  # type: ignore[arg-type]
+    served = ServedModel(name="m", version="2", plan=None, runtime=None, batcher=batcher, metrics=metrics)  # type: ignore[arg-type]
+    # NOTE: held: the metric reads a served model through a weak reference (an unloaded one reports 0)
+    assert served.batcher is batcher
     pending = lambda: _samples(metrics)[("nv_inference_pending_request_count", (("model", "m"), ("version", "2")))]  # noqa: E731
     assert pending() == 0
     tasks = [asyncio.ensure_future(batcher.submit({"x": np.ones((1, 1), np.float32)}, 1)) for _ in range(3)]
