@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as _dt
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -297,7 +298,15 @@ async def run_load_async(config: LoadConfig, *, console: Console | None = None, 
                           f"{time.perf_counter() - prepared:.1f} s; sending {how}, "
                           f"{config.warmup_s:g} s warmup + {config.duration_s:g} s"
                           + (")" if config.concurrency is None else ""), markup=False, highlight=False)
-        record, started_at, wall_s = await drive(config, schedule, target.transport, clock=clock, console=console)
+        # NOTE: what this process holds (the prepared pool; in a benchmark also torch and a model) out of
+        # the collector's full passes while it sends: one took ~95 ms with a model loaded, a stall that
+        # would count against the server as latency (unfrozen after: the pool must be freeable)
+        gc.collect()
+        gc.freeze()
+        try:
+            record, started_at, wall_s = await drive(config, schedule, target.transport, clock=clock, console=console)
+        finally:
+            gc.unfreeze()
         described = target.describe(schedule)
     report = summarize(record, config, described, started_at=started_at, wall_s=wall_s)
     if config.record_path is not None:
