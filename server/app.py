@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .allocator import keep_freed_memory
-from .gc_pause import freeze_loaded_objects
 from .core import InferenceCore
+from .gc_pause import freeze_loaded_objects
 from .http_app import build_app
 from .http_server import RestServer
+from .infer_request import parse_model_infer
 from .metrics import ServerMetrics
 from .runtime import single_threaded_ops_here
 from .servicer import InferenceServicer
@@ -99,9 +100,14 @@ class SixfoldServer:
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         server = self._server = grpc.aio.server(options=options)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.core, control_token=self.config.control_token,
-                                                                              metrics=self.metrics),
-                                                            server)
+        servicer = InferenceServicer(self.core, control_token=self.config.control_token, metrics=self.metrics)
+        # NOTE: ModelInfer's own handler first (grpc asks handlers in order): its deserializer keeps the raw
+        # tensors as views of the message instead of copying them twice (server.infer_request)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                servicer.ModelInfer, request_deserializer=parse_model_infer,
+                response_serializer=service_pb2.ModelInferResponse.SerializeToString)}),))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.grpc_port}"
         if self.config.tls_cert and self.config.tls_key:
