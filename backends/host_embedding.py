@@ -275,11 +275,11 @@ class HostEmbeddingStage:
             if g.store is not None:
                 g.store.close()
 
-    def warm(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> int:
+    def warm(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray, counts: np.ndarray | None = None) -> int:
         """Fill the tiered stores' caches with the rows these (recorded) requests read most; returns rows loaded.
 
-        Rows are ranked by how often the ids ask for them and read in file order
-        (``TieredRows.warm``). A resident stage has nothing to warm (returns 0).
+        Rows are ranked by how often the ids ask for them (``counts``: each id's weight, default 1)
+        and read in file order (``TieredRows.warm``). A resident stage has nothing to warm (returns 0).
         """
         if not self.stores:
             return 0
@@ -292,9 +292,34 @@ class HostEmbeddingStage:
                 continue
             mine = np.isin(table, group.tables)
             rows = ids[mine] + self._row_offset_np[table[mine]]
-            unique, counts = np.unique(rows, return_counts=True)
-            loaded += group.store.warm(unique[np.argsort(-counts, kind="stable")])
+            if counts is None:
+                unique, wanted = np.unique(rows, return_counts=True)
+            else:
+                unique, inverse = np.unique(rows, return_inverse=True)
+                wanted = np.bincount(inverse.reshape(-1), weights=np.asarray(counts)[mine], minlength=unique.shape[0])
+            loaded += group.store.warm(unique[np.argsort(-wanted, kind="stable")])
         return loaded
+
+    def cached(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
+        """Per id of these requests, whether a lookup now would find its row in DRAM (bool, like ``sparse_indices``).
+
+        Ids of resident groups are True. Counts nothing and moves nothing (no hit, no reference
+        bit); reads the row index without the stores' locks, so it is exact only while no batch
+        runs (e.g. after ``warm``, before serving).
+        """
+        lengths = np.asarray(sparse_lengths).reshape(-1).astype(np.int64)
+        ids = np.asarray(sparse_indices, dtype=np.int64)
+        out = np.ones(ids.shape[0], dtype=bool)
+        if not self.stores:
+            return out
+        table = np.repeat(np.tile(np.arange(self.num_tables), lengths.shape[0] // self.num_tables), lengths)
+        for group in self.groups:
+            if group.store is None:
+                continue
+            mine = np.flatnonzero(np.isin(table, group.tables))
+            rows = ids[mine] + self._row_offset_np[table[mine]]
+            out[mine] = group.store.index[rows] >= 0
+        return out
 
     @property
     def stores(self) -> list[Any]:

@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                         "config.pbtxt may set its own (sixfold.table_memory)")
     p.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
                    help="row cache admission: tinylfu (a row enters on its second miss; default) or clock (every miss)")
+    p.add_argument("--warm-from", metavar="RECORDING",
+                   help="before serving, fill the row cache of models with a table memory from the queries of "
+                        "this sixfold-loadgen --record file (docs/tiered-tables.md); a model's config.pbtxt may set "
+                        "its own (sixfold.warm_from)")
     p.add_argument("--watch-deltas", metavar="DIR",
                    help="apply table-delta folders that appear in DIR, in sequence order, to the repository "
                         "models they name (docs/deltas.md); a bad one is logged and skipped")
@@ -208,7 +212,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 min_split_rows=args.min_split_rows, card_timeout_multiple=args.card_timeout_multiple,
                 card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
                 table_memory=args.table_memory, cache_policy=args.table_cache_policy,
-                host_chunk_rows=args.host_chunk_rows)
+                host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from)
         print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
@@ -225,7 +229,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         card_timeout_floor_s=args.card_timeout_floor_ms / 1e3,
                                         allow_nonfinite=args.allow_nonfinite, table_memory=args.table_memory,
                                         cache_policy=args.table_cache_policy,
-                                        host_chunk_rows=args.host_chunk_rows)
+                                        host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
         names = repository.names()

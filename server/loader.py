@@ -128,16 +128,26 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                      min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, host_dense_max_rows: int = -1,
                      allow_nonfinite: bool = False, card_timeout_multiple: float = 10.0,
                      card_timeout_floor_s: float = 0.5, table_memory: int | float | None = None,
-                     cache_policy: str = "tinylfu", host_chunk_rows: int = 0) -> ServedModel:
+                     cache_policy: str = "tinylfu", host_chunk_rows: int = 0,
+                     warm_from: str | Path | None = None) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
 
     ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
     ``table_memory``/``cache_policy``: tiered tables (see ``load_host_stage``).
+    ``warm_from``: a loadgen recording whose queries fill the row cache before anything else loads
+    (``server.warm``; a model without tiered tables says it has nothing to warm).
     ``host_chunk_rows``: pipeline large batches' host and card stages in chunks (see ``PlanRuntime``).
     """
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
     host = load_host_stage(partitioned, host_device, table_memory=table_memory, cache_policy=cache_policy)
+    if warm_from:
+        from .warm import warm_from_recording
+        try:
+            warm_from_recording(getattr(host, "stage", None), warm_from, model=name or plan.model)
+        except BaseException:
+            host.close()
+            raise
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     # One lane per card (replicate) or per pipeline replica (stages on several cards).
     cards, reload_lane = load_dense(plan, lambda name: partitioned.artifact_for(name, card_backend), card_backend)
@@ -189,7 +199,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
                  card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu",
-                 host_chunk_rows: int = 0) -> ServedModel:
+                 host_chunk_rows: int = 0, warm_from: str | Path | None = None) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -203,7 +213,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                             min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows,
                             allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
                             card_timeout_floor_s=card_timeout_floor_s, table_memory=table_memory,
-                            cache_policy=cache_policy, host_chunk_rows=host_chunk_rows)
+                            cache_policy=cache_policy, host_chunk_rows=host_chunk_rows, warm_from=warm_from)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
@@ -212,17 +222,21 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
                          min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
                          card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                          table_memory: int | float | None = None, cache_policy: str = "tinylfu",
-                         host_chunk_rows: int = 0) -> ServedModel:
+                         host_chunk_rows: int = 0, warm_from: str | Path | None = None) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
     given here: its ``dynamic_batching`` replaces ``batching``, and its
     ``sixfold.*`` parameters the backend, backend options and row limits.
+    ``sixfold.warm_from`` (a recording; relative to the model's folder; empty: none)
+    replaces ``warm_from``.
     """
     settings = settings_from_proto(repository.config(name), source=str(repository.model_dir(name) / CONFIG_FILE))
     extras = settings.extras
     if settings.proto.HasField("dynamic_batching") or {"max_batch_rows", "max_queue_work_ms", "max_queue_bytes_mb"} & set(extras):
         batching = settings.batching
+    if "warm_from" in extras:
+        warm_from = repository.model_dir(name) / extras["warm_from"] if extras["warm_from"] else None
     read = repository.read(name, version)
     served = load_partitioned(
         read, backend=extras.get("backend", backend), metrics=metrics, batching=batching, version=version, name=name,
@@ -234,7 +248,8 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         card_timeout_multiple=extras.get("card_timeout_multiple", card_timeout_multiple),
         card_timeout_floor_s=extras["card_timeout_floor_ms"] / 1e3 if "card_timeout_floor_ms" in extras
         else card_timeout_floor_s, table_memory=extras.get("table_memory", table_memory),
-        cache_policy=extras.get("table_cache_policy", cache_policy), host_chunk_rows=host_chunk_rows)
+        cache_policy=extras.get("table_cache_policy", cache_policy), host_chunk_rows=host_chunk_rows,
+        warm_from=warm_from)
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     from .deltas import attach
     try:

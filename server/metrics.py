@@ -258,6 +258,10 @@ class _TableCacheCollector:
         held = GaugeMetricFamily("sixfold_table_cache_bytes", "DRAM bytes of the row cache (index, rows, staging)",
                                  labels=["model"])
         budget = GaugeMetricFamily("sixfold_table_cache_budget_bytes", "The table memory budget", labels=["model"])
+        rows = GaugeMetricFamily("sixfold_table_cache_rows", "Table rows held in the DRAM row cache now",
+                                 labels=["model"])
+        slots = GaugeMetricFamily("sixfold_table_cache_slots", "Rows the DRAM row cache can hold (its fill: "
+                                  "sixfold_table_cache_rows / this)", labels=["model"])
         reads = HistogramMetricFamily("sixfold_table_read_duration_seconds",
                                       "Time to read one batch's missed rows from disk", labels=["model"])
         by_model: dict[str, list[Any]] = {}
@@ -268,13 +272,15 @@ class _TableCacheCollector:
             misses.add_metric([model], sum(s.stats.misses for s in stores))
             held.add_metric([model], sum(s.nbytes for s in stores))
             budget.add_metric([model], sum(s.budget for s in stores))
+            rows.add_metric([model], sum(s.cached_rows for s in stores))
+            slots.add_metric([model], sum(s.slots for s in stores))
             counts = [sum(s.stats.read_buckets[i] for s in stores) for i in range(len(READ_BUCKETS) + 1)]
             cumulative, buckets = 0, []
             for bound, count in zip([*map(floatToGoString, READ_BUCKETS), "+Inf"], counts):
                 cumulative += count
                 buckets.append((bound, cumulative))
             reads.add_metric([model], buckets, sum(s.stats.read_seconds for s in stores))
-        yield from (hits, misses, held, budget, reads)
+        yield from (hits, misses, held, budget, rows, slots, reads)
 
 
 class _RequestCollector:

@@ -116,6 +116,7 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.max_batch_rows": _int(1),  # what to_model_config writes when it reports max_batch_size 0
     "sixfold.table_memory": _table_memory,  # tiered tables: DRAM budget, bytes ("4GiB") or a share ("10%")
     "sixfold.table_cache_policy": _choice("tinylfu", "clock"),
+    "sixfold.warm_from": str,  # a loadgen recording warming the row cache at load (relative to the model folder)
     # Facts a server publishes for load generators (read back as written).
     "sixfold.table_rows": str,
     "sixfold.pooling": str,
