@@ -1,6 +1,7 @@
 """sixfold-partition: cut a model into host + dense partitions, place them, write and explain the plan.
 
 `sixfold-partition calibrate [--out host.json]` measures this host and writes a device spec.
+`sixfold-partition show PLAN` prints a saved plan (plan.json or its version folder), tier table included.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    "on it and print estimate vs measured (writes OUT/measure.json)")
     p.add_argument("--measure-seconds", type=float, default=3.0, help="calibration budget for --measure")
     p.add_argument("--table-memory", action="append", default=[], metavar="BYTES",
-                   help="also print the table tiers: the row cache's hit rate, disk reads and host time per batch "
-                        "at this table memory (512MiB, 4GiB, 10%%; repeat for several)")
+                   help="also price the table tiers: the row cache's hit rate, disk reads and host time per batch "
+                        "at this table memory (512MiB, 4GiB, 10%%; repeat for several); printed with the plan and "
+                        "stored in plan.json")
     p.add_argument("--disk-spec", default=None, help="disk JSON for the tier table (sixfold-partition calibrate "
                                                      "--disk DIR); default: a generic NVMe SSD")
     p.add_argument("--zipf", type=float, default=None, help="id skew for the tier table (default: the model's)")
@@ -94,6 +96,28 @@ def _take_disk_options(argv: list[str]) -> tuple[list[str], str | None, str]:
     return rest, disk, out
 
 
+def _show(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="sixfold-partition show", description="print a saved plan: what runs where, "
+                                "the estimates and, when it was priced with --table-memory, its table tiers")
+    p.add_argument("plan", help="a plan.json, or the model-repository version folder holding one")
+    args = p.parse_args(argv)
+    from .explain import print_plan
+    from .plan import PartitionPlan
+    path = Path(args.plan)
+    if path.is_dir():
+        path = path / "plan.json"
+    try:
+        plan = PartitionPlan.load(path)
+    except FileNotFoundError:
+        print(f"sixfold-partition show: no plan at {str(path)!r}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"sixfold-partition show: {str(path)!r} is not a readable plan: {exc}", file=sys.stderr)
+        return 2
+    print_plan(plan, Console(stderr=False, width=None if sys.stdout.isatty() else 120))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["calibrate"]:
@@ -115,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["tiers"]:  # price a plan's table tiers, or measure a disk (partitioner.tiers)
         from .tiers import main as tiers
         return tiers(argv[1:])
+    if argv[:1] == ["show"]:  # print a saved plan, its stored tier table included
+        return _show(argv[1:])
     args = _parser().parse_args(argv)
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 120)  # plans are wide
     err = Console(stderr=True)
@@ -157,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.sparse_on_cards:
                 from .sharding import shard_tables
                 shard_tables(partitioned, args.sparse_on_cards)
+            if args.table_memory:
+                if not partitioned.plan.tables.get("rows"):
+                    raise ValueError(f"--table-memory: {partitioned.plan.model}'s lookups are not table-batched "
+                                     "(no table rows in its plan): it has no table tiers to price")
+                from .tiers import price_plan_tiers
+                partitioned.plan.tiers = price_plan_tiers(partitioned.plan, args.table_memory,
+                                                          disk_spec=args.disk_spec, zipf=args.zipf)
             if args.plan_only:
                 path = None
                 if args.out:
@@ -188,10 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         print_measure(measured, console)
         console.print(f"wrote {measured.save(path.parent / 'measure.json')}"
                       + (" (table shards on cards not measured)" if args.sparse_on_cards else ""))
-    if args.table_memory and partitioned.plan.tables.get("rows"):
-        from .tiers import print_plan_tiers
-        print_plan_tiers(partitioned.plan, args.table_memory, disk_spec=args.disk_spec, zipf=args.zipf,
-                         console=console)
     if args.draw:
         from .draw import draw_partitioned
         plan = partitioned.plan

@@ -53,6 +53,9 @@ def print_plan(plan: PartitionPlan, console: Console | None = None) -> None:
         _print_shards(plan, console)
     console.print(f"  bottleneck: [bold]{est.bottleneck}[/]; throughput bound "
                   f"{est.throughput_items_per_s:,.0f} items/s; unloaded latency {est.latency_ms:.2f} ms")
+    if plan.tiers is not None:
+        from .tiers import print_pricing
+        print_pricing(plan.tiers, console, title="table tiers (priced with the plan)")
 
 
 def _block(s) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 from backends.spec import DeviceSpec
 
+from .tiers import TierPricing
+
 __all__ = ["TensorInfo", "PartitionInfo", "DeviceInfo", "Placement", "DeviceEstimate",
            "Estimates", "TableShard", "PartitionPlan", "PLAN_FORMAT_VERSION"]
 
@@ -120,6 +122,10 @@ class PartitionPlan:
     shards: list[TableShard] = field(default_factory=list)
     """Where table blocks live when tables go on cards; empty: every table on the host."""
     format_version: int = PLAN_FORMAT_VERSION
+    tiers: TierPricing | None = None
+    """The table tiers priced at the budgets ``sixfold-partition --table-memory`` was given (hit rate,
+    distinct misses and host time per batch, the disk and Zipf exponent used); None: not priced.
+    Optional in plan.json: a plan written without it loads with None."""
 
     def partition(self, name: str) -> PartitionInfo:
         for p in self.partitions:
@@ -177,6 +183,7 @@ class PartitionPlan:
             estimates=Estimates(**{**est, "per_device": [DeviceEstimate(**d) for d in est["per_device"]]}),
             shards=[TableShard(**s) for s in data.get("shards", [])],
             tables=data.get("tables", {}), format_version=version,
+            tiers=TierPricing.from_dict(data["tiers"]) if data.get("tiers") else None,
         )
 
     @classmethod

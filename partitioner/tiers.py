@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DiskSpec", "TierEstimate", "measure_disk", "zipf_hit_rate", "distinct_misses", "price_tiers",
-           "print_tier_table", "print_plan_tiers", "GENERIC_SSD"]
+__all__ = ["DiskSpec", "TierEstimate", "TierPricing", "measure_disk", "zipf_hit_rate", "distinct_misses",
+           "price_tiers", "price_plan_tiers", "print_tier_table", "print_pricing", "print_plan_tiers", "GENERIC_SSD"]
 
 _BLOCK = 4096
 
@@ -185,6 +185,38 @@ class TierEstimate:
     """Host stage per batch: the all-resident estimate plus the reads."""
 
 
+@dataclass(frozen=True)
+class TierPricing:
+    """A plan's table tiers priced at some budgets: what ``plan.json`` carries (``PartitionPlan.tiers``).
+
+    Written by ``sixfold-partition ... --table-memory B`` and printed with the plan
+    (``sixfold-partition show``, ``sixfold-serve``).
+    """
+
+    budgets: list[str]
+    """The budgets as given (``10%``, ``1GiB``), one per estimate."""
+    alpha: float
+    """Power-law exponent of the ids the hit rates assume."""
+    items: int
+    """Items per batch the reads and times are for."""
+    table_bytes: int
+    row_bytes: int
+    resident_seconds: float
+    """The plan's host stage per batch with every row resident (the tier time adds the reads to it)."""
+    disk: DiskSpec
+    estimates: list[TierEstimate]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TierPricing":
+        return cls(budgets=[str(b) for b in data["budgets"]], alpha=float(data["alpha"]), items=int(data["items"]),
+                   table_bytes=int(data["table_bytes"]), row_bytes=int(data["row_bytes"]),
+                   resident_seconds=float(data["resident_seconds"]), disk=DiskSpec(**data["disk"]),
+                   estimates=[TierEstimate(**e) for e in data["estimates"]])
+
+
 def price_tiers(table_rows: Sequence[int], pooling: Sequence[float], row_bytes: int, alpha: float,
                 budgets: Sequence[int], items: int, disk: DiskSpec, resident_seconds: float) -> list[TierEstimate]:
     """One estimate per budget (bytes; the row index and staging taken out first, as the store does)."""
@@ -202,32 +234,44 @@ def price_tiers(table_rows: Sequence[int], pooling: Sequence[float], row_bytes: 
     return out
 
 
+def _budget_text(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:,.1f} GiB"
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
 def print_tier_table(estimates: Sequence[TierEstimate], table_bytes: int, disk: DiskSpec, items: int,
-                     alpha: float, console=None) -> None:
+                     alpha: float, console=None, *, title: str = "table tiers") -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"table tiers: {table_bytes / 2**30:.2f} GiB of rows, Zipf {alpha}, {items} items per batch, "
+    table = Table(title=f"{title}: {_budget_text(table_bytes)} of rows, Zipf {alpha}, {items} items per batch, "
                         f"disk {disk.name} ({disk.iops:,.0f} IOPS, {disk.read_latency_s * 1e6:.0f} us)")
     for col in ("table memory", "share", "rows cached", "hit rate", "disk reads/batch", "read ms", "host ms/batch",
                 "items/s"):
         table.add_column(col, justify="right")
     for e in estimates:
-        table.add_row(f"{e.budget_bytes / 2**20:,.0f} MiB", f"{100 * e.budget_bytes / table_bytes:.0f}%",
+        table.add_row(_budget_text(e.budget_bytes), f"{100 * e.budget_bytes / table_bytes:.0f}%",
                       f"{e.cache_rows:,}", f"{100 * e.hit_rate:.1f}%", f"{e.reads_per_batch:,.0f}",
                       f"{e.read_seconds * 1e3:.1f}", f"{e.host_seconds * 1e3:.1f}",
                       f"{items / e.host_seconds:,.0f}")
     console.print(table)
 
 
-def print_plan_tiers(plan, budgets: Sequence[str], *, disk_spec: str | None = None, zipf: float | None = None,
-                     items: int | None = None, console=None) -> list[TierEstimate]:
-    """Price ``plan``'s table tiers at ``budgets`` (``4GiB``, ``10%``) and print the tier table."""
+def price_plan_tiers(plan, budgets: Sequence[str], *, disk_spec: str | None = None, zipf: float | None = None,
+                     items: int | None = None) -> TierPricing:
+    """Price ``plan``'s table tiers at ``budgets`` (``4GiB``, ``10%``): what ``PartitionPlan.tiers`` holds.
+
+    ValueError for a plan without table rows (its lookups are not table-batched) or a bad budget.
+    """
     from backends.host_embedding import bytes_per_row
     from backends.table_store import parse_table_memory
 
     tables = plan.tables
+    if not tables.get("rows"):
+        raise ValueError(f"plan of {plan.model} has no table rows (its lookups are not table-batched): no tiers "
+                         "to price")
     rows, pooling = tables["rows"], tables.get("pooling") or [1] * len(tables["rows"])
     row_bytes = bytes_per_row(tables.get("precision", "fp32"), tables["dim"])
     table_bytes = sum(rows) * row_bytes
@@ -237,12 +281,29 @@ def print_plan_tiers(plan, budgets: Sequence[str], *, disk_spec: str | None = No
     sizes = []
     for text in budgets:
         value = parse_table_memory(text)
-        sizes.append(int(value * table_bytes) if isinstance(value, float) else int(value))  # type: ignore[operator]
+        if value is None:
+            raise ValueError(f"table memory {text!r}: give a size such as 4GiB or a share such as 10%")
+        sizes.append(int(value * table_bytes) if isinstance(value, float) else int(value))
     host = [d for d in plan.estimates.per_device if d.device == "host"]
     resident = host[0].batch_seconds * items / plan.estimates.batch_rows if host else 0.0
     estimates = price_tiers(rows, pooling, row_bytes, alpha, sizes, items, disk, resident)
-    print_tier_table(estimates, table_bytes, disk, items, alpha, console)
-    return estimates
+    return TierPricing(budgets=[str(b) for b in budgets], alpha=float(alpha), items=int(items),
+                       table_bytes=int(table_bytes), row_bytes=int(row_bytes), resident_seconds=float(resident),
+                       disk=disk, estimates=estimates)
+
+
+def print_pricing(pricing: TierPricing, console=None, *, title: str = "table tiers") -> None:
+    """The tier table of a stored pricing (``PartitionPlan.tiers``)."""
+    print_tier_table(pricing.estimates, pricing.table_bytes, pricing.disk, pricing.items, pricing.alpha, console,
+                     title=title)
+
+
+def print_plan_tiers(plan, budgets: Sequence[str], *, disk_spec: str | None = None, zipf: float | None = None,
+                     items: int | None = None, console=None) -> list[TierEstimate]:
+    """Price ``plan``'s table tiers at ``budgets`` (``4GiB``, ``10%``) and print the tier table."""
+    pricing = price_plan_tiers(plan, budgets, disk_spec=disk_spec, zipf=zipf, items=items)
+    print_pricing(pricing, console)
+    return pricing.estimates
 
 
 def main(argv: list[str] | None = None) -> int:
