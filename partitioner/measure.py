@@ -16,6 +16,14 @@
 
 Each stage is timed alone, as the device it models sees it (see
 bench/estimate_vs_measured.py, the zoo-wide version, for why).
+
+A plan priced with ``--table-memory`` (``PartitionPlan.tiers``) also gets its tiers measured
+(``measure_tiers``): for each budget the host stage is loaded from the written tables behind
+a row cache of that size (as ``sixfold-serve --table-memory`` loads it), the cache is warmed
+from ``warm_batches`` batches of the priced traffic (Zipf ``alpha``), then timed over
+distinct batches (a repeated batch would be all hits); the hit rate is counted over the timed
+batches. Estimate: this host's resident host-stage estimate plus the plan's read time at that
+budget (its disk spec); the hit rate is the plan's.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +41,8 @@ from backends.spec import DeviceSpec
 
 from .compile import HOST_PARTITION, PartitionedModel
 
-__all__ = ["StageMeasure", "MeasureReport", "measure_plan", "print_measure", "host_as_card"]
+__all__ = ["StageMeasure", "TierMeasure", "MeasureReport", "measure_plan", "measure_tiers", "print_measure",
+           "host_as_card"]
 
 
 @dataclass(frozen=True)
@@ -51,16 +60,51 @@ class StageMeasure:
 
 
 @dataclass(frozen=True)
+class TierMeasure:
+    """One priced table memory: the plan's estimate beside the tiered host stage measured on this host."""
+
+    budget: str
+    """As priced (``10%``, ``1GiB``)."""
+    budget_bytes: int
+    items: int
+    """Items per batch."""
+    estimate_hit_rate: float
+    measured_hit_rate: float
+    estimate_s: float
+    """Host stage per batch: this host's resident estimate + the plan's read time at this budget."""
+    measured_s: float
+    """Median over runs of the mean time per batch."""
+    best_s: float
+    reads_per_batch: float
+    """Distinct rows read from disk per timed batch (the plan estimates ``reads_per_batch`` too)."""
+    estimate_reads: float
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.measured_hit_rate / self.estimate_hit_rate if self.estimate_hit_rate > 0 else float("inf")
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.estimate_s if self.estimate_s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
 class MeasureReport:
     model: str
     batch_rows: int
     spec: str
     """The calibrated spec's description."""
     stages: list[StageMeasure]
+    tiers: list[TierMeasure] = field(default_factory=list)
+    """The plan's priced table memories, measured (empty: not priced, or not measured)."""
+    tier_notes: list[str] = field(default_factory=list)
+    """Why a priced budget was not measured."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "batch_rows": self.batch_rows, "spec": self.spec,
-                "stages": [{**dataclasses.asdict(s), "ratio": s.ratio} for s in self.stages]}
+                "stages": [{**dataclasses.asdict(s), "ratio": s.ratio} for s in self.stages],
+                "tiers": [{**dataclasses.asdict(t), "hit_ratio": t.hit_ratio, "ratio": t.ratio} for t in self.tiers],
+                "tier_notes": list(self.tier_notes)}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -88,12 +132,14 @@ def _time(run: Callable[[dict], Any], inputs: list[dict], runs: int) -> list[flo
 
 def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, DeviceSpec], PartitionedModel], *,
                  spec: DeviceSpec | None = None, calibrate_seconds: float = 3.0, runs: int = 5, batches: int = 5,
-                 seed: int = 7) -> MeasureReport:
+                 seed: int = 7, tables_dir: str | Path | None = None, warm_batches: int = 20) -> MeasureReport:
     """Estimate vs measured per stage of ``partitioned`` on this host (module docstring).
 
     ``replan(host_spec, card_spec)``: the same model planned for other specs
     (the estimate; it need not compile). ``spec``: this host's spec (default:
-    calibrate it now, ``calibrate_seconds``).
+    calibrate it now, ``calibrate_seconds``). ``tables_dir``: the written
+    ``tables/`` folder; with it, a plan carrying tier prices (``plan.tiers``) has
+    each priced table memory measured too (``measure_tiers``).
     """
     from backends import registry
 
@@ -130,7 +176,86 @@ def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, De
     stages = [StageMeasure(stage=name, device=est[name][0], estimate_s=est[name][1],
                            measured_s=statistics.median(times), best_s=min(times))
               for name, times in measured.items() if name in est]
-    return MeasureReport(model=plan.model, batch_rows=rows, spec=spec.description, stages=stages)
+    tiers: list[TierMeasure] = []
+    notes: list[str] = []
+    if plan.tiers is not None and tables_dir is not None and HOST_PARTITION in est:
+        resident = est[HOST_PARTITION][1] * plan.tiers.items / rows
+        tiers, notes = measure_tiers(partitioned, tables_dir, spec, resident_s=resident, runs=runs, batches=batches,
+                                     warm_batches=warm_batches, seed=seed)
+    elif plan.tiers is not None:
+        notes.append("table tiers not measured: no tables folder (write the artifacts: --out without --plan-only)")
+    return MeasureReport(model=plan.model, batch_rows=rows, spec=spec.description, stages=stages, tiers=tiers,
+                         tier_notes=notes)
+
+
+def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: DeviceSpec, *, resident_s: float,
+                  runs: int = 5, batches: int = 5, warm_batches: int = 20,
+                  seed: int = 7) -> tuple[list[TierMeasure], list[str]]:
+    """Each table memory priced in ``partitioned.plan.tiers``, measured (module docstring); and notes on any not.
+
+    ``resident_s``: this host's estimate of the all-resident host stage per batch of
+    ``plan.tiers.items`` items (the estimate adds the plan's read time to it).
+    """
+    import numpy as np
+
+    from backends import registry
+    from backends.api import BackendError
+    from models.requests import RequestGenerator
+
+    from .accuracy import plan_requests
+
+    plan = partitioned.plan
+    pricing = plan.tiers
+    assert pricing is not None
+    artifact = partitioned.artifacts[HOST_PARTITION]
+    if artifact.format != "tables":
+        return [], [f"table tiers not measured: the host stage is {artifact.format!r}, not table-batched"]
+    base = plan_requests(plan, seed)  # the plan's traffic, at the skew the tiers were priced for
+    gen = RequestGenerator(tuple(int(r) for r in base.table_rows), int(base.dense_dim),
+                           tuple(int(p) for p in base.pooling), zipf=pricing.alpha, seed=seed,
+                           fixed_pooling=base.fixed_pooling)
+    keys = artifact.input_names
+    make = lambda: {k: v for k, v in gen.make(pricing.items).items() if k in keys}  # noqa: E731
+    warm = [make() for _ in range(warm_batches)]
+    settle = [make() for _ in range(2)]
+    timed = [[make() for _ in range(batches)] for _ in range(runs)]  # distinct: a repeat would be all hits
+    pooling = plan.tables.get("pooling") or [1]
+    out: list[TierMeasure] = []
+    notes: list[str] = []
+    for budget, priced in zip(pricing.budgets, pricing.estimates):
+        tiered = dataclasses.replace(artifact, payload=Path(tables_dir), metadata={
+            **artifact.metadata, "table_memory": priced.budget_bytes, "cache_policy": "tinylfu",
+            "item_ids": int(sum(pooling))})
+        try:
+            exe = registry.get_backend("host-embedding", check_ids=False).load(tiered, spec)
+        except (BackendError, ValueError) as exc:
+            notes.append(f"table memory {budget}: not measured ({exc})")
+            continue
+        try:
+            stage = exe.stage
+            if warm:
+                stage.warm(np.concatenate([b[keys[0]] for b in warm]), np.concatenate([b[keys[1]] for b in warm]))
+            for b in settle:
+                exe.run(b)
+            before = [(s.stats.hits, s.stats.misses, s.stats.rows_read) for s in stage.stores]
+            times = []
+            for run in timed:
+                t0 = time.perf_counter()
+                for b in run:
+                    exe.run(b)
+                times.append((time.perf_counter() - t0) / len(run))
+            hits = sum(s.stats.hits - h for s, (h, _, _) in zip(stage.stores, before))
+            misses = sum(s.stats.misses - m for s, (_, m, _) in zip(stage.stores, before))
+            read = sum(s.stats.rows_read - r for s, (_, _, r) in zip(stage.stores, before))
+        finally:
+            exe.close()
+        out.append(TierMeasure(budget=budget, budget_bytes=priced.budget_bytes, items=pricing.items,
+                               estimate_hit_rate=priced.hit_rate,
+                               measured_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+                               estimate_s=resident_s + priced.read_seconds, measured_s=statistics.median(times),
+                               best_s=min(times), reads_per_batch=read / (runs * batches),
+                               estimate_reads=priced.reads_per_batch))
+    return out, notes
 
 
 def print_measure(report: MeasureReport, console: Any) -> None:
@@ -149,4 +274,27 @@ def print_measure(report: MeasureReport, console: Any) -> None:
             side = "slower" if s.ratio > 1 else "faster"
             console.print(f"[yellow]{s.stage} runs {s.ratio:.1f}x {side} here than the plan estimates: its "
                           "throughput bound and bottleneck are off by as much on this host[/]")
+    if report.tiers:
+        _print_tiers(report, console)
+    for note in report.tier_notes:
+        console.print(f"[yellow]{note}[/]")
     console.print(f"calibrated spec: {report.spec}")
+
+
+def _print_tiers(report: MeasureReport, console: Any) -> None:
+    from rich.table import Table
+
+    items = report.tiers[0].items
+    table = Table(title=f"{report.model}: table tiers, plan estimate vs measured on this host (host stage, batches of "
+                        f"{items} items, row cache warmed first)")
+    for column in ("memory", "hit est.", "hit meas.", "ratio", "reads est.", "reads meas.", "host ms est.",
+                   "host ms meas.", "ratio "):
+        table.add_column(column, justify="right")
+    for t in report.tiers:
+        table.add_row(t.budget, f"{100 * t.estimate_hit_rate:.1f}%", f"{100 * t.measured_hit_rate:.1f}%",
+                      f"{t.hit_ratio:.2f}", f"{t.estimate_reads:,.0f}", f"{t.reads_per_batch:,.0f}",
+                      f"{t.estimate_s * 1e3:.3f}", f"{t.measured_s * 1e3:.3f}", f"{t.ratio:.2f}")
+    console.print(table)
+    console.print("  hit: share of ids the row cache answered (estimate: a warm cache of the most popular rows, an "
+                  "upper bound); reads: distinct rows read from disk per batch; host ms: host stage per batch "
+                  "(estimate: this host's resident estimate + the plan's reads / IOPS); ratio: measured / estimate")

@@ -190,7 +190,8 @@ class TierPricing:
     """A plan's table tiers priced at some budgets: what ``plan.json`` carries (``PartitionPlan.tiers``).
 
     Written by ``sixfold-partition ... --table-memory B`` and printed with the plan
-    (``sixfold-partition show``, ``sixfold-serve``).
+    (``sixfold-partition show``, ``sixfold-serve``); ``sixfold-partition --measure`` measures
+    each budget on this host against it (``partitioner.measure``).
     """
 
     budgets: list[str]
@@ -217,16 +218,31 @@ class TierPricing:
                    estimates=[TierEstimate(**e) for e in data["estimates"]])
 
 
-def price_tiers(table_rows: Sequence[int], pooling: Sequence[float], row_bytes: int, alpha: float,
-                budgets: Sequence[int], items: int, disk: DiskSpec, resident_seconds: float) -> list[TierEstimate]:
-    """One estimate per budget (bytes; the row index and staging taken out first, as the store does)."""
+def _cache_slots(budget: int, rows_total: int, row_bytes: int, min_staging_rows: int) -> int:
+    """Cache slots ``TieredRows`` makes of ``budget`` (tinylfu): less the row index, the staging rows, the sketch."""
     from backends.table_store import _INDEX_BYTES, _SLOT_OVERHEAD
 
+    slot_bytes = row_bytes + _SLOT_OVERHEAD
+    rest = budget - _INDEX_BYTES * rows_total
+    staging = max(max(1, int(min_staging_rows)), int(rest * 0.125) // row_bytes)
+    free = rest - staging * row_bytes
+    sketch = 1 << max(10, int(math.ceil(math.log2(max(1, free // slot_bytes)))))
+    if free - sketch < 8 * slot_bytes:
+        sketch = 1024
+    return int(min(rows_total, max(0, (free - sketch) // slot_bytes)))
+
+
+def price_tiers(table_rows: Sequence[int], pooling: Sequence[float], row_bytes: int, alpha: float,
+                budgets: Sequence[int], items: int, disk: DiskSpec, resident_seconds: float, *,
+                min_staging_rows: int = 1) -> list[TierEstimate]:
+    """One estimate per budget (bytes; the row index, staging and sketch taken out first, as the store does).
+
+    ``min_staging_rows``: the ids one item reads (the store stages at least that many rows).
+    """
     rows_total = int(sum(table_rows))
     out = []
     for budget in budgets:
-        rest = budget - _INDEX_BYTES * rows_total
-        slots = min(rows_total, max(0, int(rest * 0.875) // (row_bytes + _SLOT_OVERHEAD)))  # as TieredRows splits it
+        slots = _cache_slots(int(budget), rows_total, row_bytes, min_staging_rows)
         hit = zipf_hit_rate(table_rows, pooling, alpha, slots)
         reads = distinct_misses(table_rows, pooling, alpha, slots, items)
         read_s = reads / disk.iops + (disk.read_latency_s if reads > 0 else 0.0)
@@ -286,7 +302,8 @@ def price_plan_tiers(plan, budgets: Sequence[str], *, disk_spec: str | None = No
         sizes.append(int(value * table_bytes) if isinstance(value, float) else int(value))
     host = [d for d in plan.estimates.per_device if d.device == "host"]
     resident = host[0].batch_seconds * items / plan.estimates.batch_rows if host else 0.0
-    estimates = price_tiers(rows, pooling, row_bytes, alpha, sizes, items, disk, resident)
+    estimates = price_tiers(rows, pooling, row_bytes, alpha, sizes, items, disk, resident,
+                            min_staging_rows=int(sum(pooling)))
     return TierPricing(budgets=[str(b) for b in budgets], alpha=float(alpha), items=int(items),
                        table_bytes=int(table_bytes), row_bytes=int(row_bytes), resident_seconds=float(resident),
                        disk=disk, estimates=estimates)

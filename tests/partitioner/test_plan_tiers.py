@@ -82,3 +82,26 @@ def test_show_refuses_a_missing_or_unreadable_plan(tmp_path, capsys):
     assert main(["show", str(tmp_path / "bad.json")]) == 2
     assert "is not a readable plan" in capsys.readouterr().err
 
+
+def test_measure_puts_the_measured_hit_rate_and_host_time_beside_the_tier_estimate(tmp_path, capsys):
+    out = tmp_path / "measured"
+    assert main(["--model", "rm1", "--max-rows", "300", "--cards", "1", "--batch-rows", "16", "--measure",
+                 "--measure-seconds", "0.3", "--out", str(out), "--table-memory", "100%", "--table-memory", "100KiB",
+                 "--zipf", "1.2"]) == 0
+    text = capsys.readouterr().out
+    assert "table tiers, plan estimate vs measured on this host" in text
+    report = json.loads((out / "measure.json").read_text())
+    plan = PartitionPlan.load(out / "plan.json")
+    big, small = report["tiers"]
+    assert [big["budget"], small["budget"]] == ["100%", "100KiB"] and report["tier_notes"] == []
+    for t, priced in zip((big, small), plan.tiers.estimates):
+        assert t["estimate_hit_rate"] == priced.hit_rate and t["estimate_reads"] == priced.reads_per_batch
+        assert 0 < t["measured_hit_rate"] < 1 and t["measured_s"] > 0 and t["estimate_s"] > priced.read_seconds
+        assert t["hit_ratio"] == pytest.approx(t["measured_hit_rate"] / t["estimate_hit_rate"])
+        assert t["ratio"] == pytest.approx(t["measured_s"] / t["estimate_s"])
+        assert t["items"] == 16
+    # the whole table memory caches most rows; 100 KiB leaves ~70 slots after the row index and one item staged
+    assert big["measured_hit_rate"] > small["measured_hit_rate"] + 0.2
+    assert big["reads_per_batch"] < small["reads_per_batch"]
+    # the estimate counts the slots as the store makes them: 100 KiB is mostly the row index and one item staged
+    assert plan.tiers.estimates[1].cache_rows < 100
