@@ -9,6 +9,7 @@ and prints p50/p99 of each stage, per request:
     validate   shape/dtype/id range checks and enqueue (``ServedModel.infer`` up to the batcher)
     queue      in the batcher's queue until its batch starts
     host       the batch's host (embedding) stage
+    host_wait  the part of it spent waiting for the host stage's worker, busy with earlier batches
     card       the batch's card stage (split over idle cards, or on the host for small batches)
     finish     batch done -> the request's coroutine resumes (outputs split, futures resolved)
     encode     arrays -> protobuf
@@ -17,6 +18,13 @@ and prints p50/p99 of each stage, per request:
 
     .venv/bin/python bench/latency_breakdown.py --model dlrm-mlperf --qps 5,15,25 --duration 15
     .venv/bin/python bench/latency_breakdown.py --model rm2 --qps 5,10 -- --max-batch-rows 1
+
+With ``--timeline PNG`` it also draws, for the last rate, every request within ``--window-ms`` of
+the slowest one (after the warmup): one bar per request, coloured by stage, so a burst shows as the
+queries that overlapped and the stage that stretched (with ``--rounds``/``--tree``, one file per run:
+``PNG`` gets ``-N`` before its suffix). ``--trace-json`` keeps the raw per-request stamps.
+
+    .venv/bin/python bench/latency_breakdown.py --model rm2 --qps 16 --duration 15 --timeline runs/rm2-16qps.png
 
 Arguments after ``--`` go to ``sixfold-serve``. The machine is whatever it is: say its load with
 the figures (printed at start and end).
@@ -41,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-STAGES = ("decode", "validate", "queue", "host", "card", "finish", "encode")
+STAGES = ("decode", "validate", "queue", "host", "host_wait", "card", "finish", "encode")
+"""``host_wait`` is the part of ``host`` spent waiting for the host stage's worker (behind other batches)."""
 
 
 def traced_serve(argv: list[str], out: str) -> int:
@@ -90,7 +99,8 @@ def traced_serve(argv: list[str], out: str) -> int:
             info = item.info
             stamp.update(done=done, queue_s=info.queue_s, host_s=info.timings.get("host_s", 0.0),
                          card_s=info.timings.get("card_s", 0.0), rows=item.rows, batch_rows=info.rows,
-                         batch_requests=info.requests, on_host=info.timings.get("dense_on_host", 0.0))
+                         batch_requests=info.requests, on_host=info.timings.get("dense_on_host", 0.0),
+                         host_wait_s=info.timings.get("host_wait_s", 0.0))
             last[0] = stamp
         return outputs
 
@@ -104,7 +114,7 @@ def traced_serve(argv: list[str], out: str) -> int:
             s["encoded"] = time.perf_counter()
             records.append(tuple(s.get(k, 0.0) for k in ("t0", "decoded", "queued", "queue_s", "host_s", "card_s",
                                                          "done", "encoded", "rows", "batch_rows", "batch_requests",
-                                                         "on_host")))
+                                                         "on_host", "host_wait_s")))
         return reply
 
     servicer_mod.decode_inputs = decode
@@ -121,13 +131,62 @@ def traced_serve(argv: list[str], out: str) -> int:
     return main(argv)
 
 
+TIMELINE_COLOURS = {"decode": "#9467bd", "validate": "#8c564b", "queue": "#c7c7c7",
+                    "host wait": "#aec7e8", "host": "#1f77b4", "card": "#ff7f0e", "finish": "#2ca02c",
+                    "encode": "#17becf"}
+
+
+def plot_timeline(records: list[list[float]], path: str | Path, *, warmup_s: float, window_ms: float,
+                  title: str) -> dict[str, float]:
+    """Draw the requests within ``window_ms`` of the slowest one (arrived after ``warmup_s``); returns that one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = np.asarray(records, dtype=float)
+    origin = r[0, 0]
+    steady = np.flatnonzero(r[:, 0] - origin >= warmup_s)
+    pick = steady if len(steady) else np.arange(len(r))
+    slowest = int(pick[np.argmax(r[pick, 7] - r[pick, 0])])
+    centre = r[slowest, 0]
+    near = [i for i in range(len(r)) if abs(r[i, 0] - centre) * 1e3 <= window_ms]
+    fig, ax = plt.subplots(figsize=(11, 0.32 * len(near) + 1.6))
+    for row, i in enumerate(near):
+        t0, decoded, queued, queue_s, host_s, card_s, done, encoded = r[i, :8]
+        wait = r[i, 12] if r.shape[1] > 12 else 0.0
+        start = queued + queue_s
+        spans = {"decode": (t0, decoded), "validate": (decoded, queued), "queue": (queued, start),
+                 "host wait": (start, start + wait), "host": (start + wait, start + host_s), "card": (start + host_s, start + host_s + card_s),
+                 "finish": (start + host_s + card_s, done), "encode": (done, encoded)}
+        for stage, (a, b) in spans.items():
+            if b > a:
+                ax.barh(row, (b - a) * 1e3, left=(a - centre) * 1e3, color=TIMELINE_COLOURS[stage],
+                        edgecolor="black" if i == slowest else "none", linewidth=0.6)
+        ax.text((encoded - centre) * 1e3 + 1, row, f"{(encoded - t0) * 1e3:.0f} ms", va="center", fontsize=7)
+    ax.set_yticks(range(len(near)), [f"{int(r[i, 8])} items (batch {int(r[i, 9])})" for i in near], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the slowest request's arrival at the server")
+    ax.set_title(title, fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TIMELINE_COLOURS.values()]
+    ax.legend(handles, list(TIMELINE_COLOURS), ncol=len(handles), fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.12 - 0.6 / max(1, len(near))), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"at_s": float(centre - origin), "server_ms": float((r[slowest, 7] - r[slowest, 0]) * 1e3),
+            "items": float(r[slowest, 8]), "requests_drawn": float(len(near))}
+
+
 def breakdown(records: list[list[float]]) -> dict[str, Any]:
     r = np.asarray(records, dtype=float)
     if not len(r):
         return {}
     t0, decoded, queued, queue_s, host_s, card_s, done, encoded, rows = (r[:, i] for i in range(9))
     batch_start = queued + queue_s  # NOTE: queue_s counts from the batcher's clock at enqueue
-    stages = {"decode": decoded - t0, "validate": queued - decoded, "queue": queue_s, "host": host_s, "card": card_s,
+    host_wait = r[:, 12] if r.shape[1] > 12 else np.zeros(len(r))
+    stages = {"decode": decoded - t0, "validate": queued - decoded, "queue": queue_s, "host": host_s,
+              "host_wait": host_wait, "card": card_s,
               "finish": done - batch_start - host_s - card_s, "encode": encoded - done, "server": encoded - t0}
     out: dict[str, Any] = {"requests": len(r), "rows_mean": float(rows.mean()),
                            "batch_rows_mean": float(r[:, 9].mean()), "batch_requests_mean": float(r[:, 10].mean()),
@@ -167,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also serve the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`); repeatable; "
                         "'.' is this tree. With --rounds, the trees alternate at each rate, order rotated per round")
     p.add_argument("--rounds", type=int, default=1, help="repeat every (rate, tree) this many times")
+    p.add_argument("--timeline", metavar="PNG", help="draw the requests around the slowest one of each run here")
+    p.add_argument("--window-ms", type=float, default=250.0, help="--timeline: requests this close to the slowest")
+    p.add_argument("--trace-json", metavar="FILE", help="keep every request's raw stamps (all runs) here")
     args = p.parse_args(argv)
 
     import models
@@ -175,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = models.get_config(args.model, max_rows=args.max_rows)
     results = []
+    traces: list[dict[str, Any]] = []
     trees = args.tree or ["."]
     runs = []
     for qps in [float(q) for q in args.qps.split(",")]:
@@ -216,6 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             print(f"server log: {len(problems)} warnings/errors, e.g. " + " | ".join(problems[:3]))
         b = breakdown(records)
+        traces.append({"qps": qps, "tree": tree, "records": records})
+        if args.timeline:
+            png = Path(args.timeline)
+            if len(runs) > 1:
+                png = png.with_name(f"{png.stem}-{len(traces)}{png.suffix}")
+            png.parent.mkdir(parents=True, exist_ok=True)
+            b["timeline"] = plot_timeline(records, png, warmup_s=args.warmup, window_ms=args.window_ms,
+                                          title=f"{args.model} at {qps:g} q/s, tree {tree}: requests around the "
+                                                f"slowest (after {args.warmup:g} s warmup)")
+            print(f"timeline: {png} (slowest {b['timeline']['server_ms']:.0f} ms at {b['timeline']['at_s']:.1f} s)")
         client = report.latency_ms
         row = {"qps": qps, "tree": tree, "load": [round(load_before, 2), round(load_after, 2)],
                "client_p50_ms": client["p50"], "client_p99_ms": client["p99"],
@@ -234,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"   slowest 1% mean {b['slowest_1pct_mean'][name]:7.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.trace_json:
+        Path(args.trace_json).write_text(json.dumps(traces))
     return 0
 
 

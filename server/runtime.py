@@ -176,11 +176,12 @@ def single_threaded_ops_here() -> int:
     return workers
 
 
-def _timed_run(executable: Executable, inputs: Arrays) -> tuple[Arrays, float]:
-    """On the worker: the outputs and the CPU time this thread spent (GIL waits excluded)."""
+def _timed_run(executable: Executable, inputs: Arrays) -> tuple[Arrays, float, float]:
+    """On the worker: the outputs, the CPU time this thread spent (GIL waits excluded) and when it started."""
+    started = time.perf_counter()
     t0 = time.thread_time()
     outputs = executable.run(inputs)
-    return outputs, time.thread_time() - t0
+    return outputs, time.thread_time() - t0, started
 
 
 class StageRunner:
@@ -239,7 +240,9 @@ class StageRunner:
         worker = self._worker_cpu.get(bucket)
         return worker is not None and worker.value <= self.probe_s
 
-    async def infer(self, inputs: Arrays, rows: int) -> Arrays:
+    async def infer(self, inputs: Arrays, rows: int, timings: dict[str, float] | None = None) -> Arrays:
+        """The stage's outputs; ``timings["wait_s"]`` (if given) gets the seconds the batch waited for the
+        worker (behind other batches of this stage), 0 when it ran inline."""
         if not self.inlinable:
             return await self.executable.infer(inputs)
         bucket = HostDenseTuner.bucket(rows)
@@ -251,7 +254,11 @@ class StageRunner:
         self._on_worker += 1
         try:
             loop = asyncio.get_running_loop()
-            outputs, cpu_s = await loop.run_in_executor(self.executable._worker(), _timed_run, self.executable, inputs)
+            submitted = time.perf_counter()
+            outputs, cpu_s, started = await loop.run_in_executor(self.executable._worker(), _timed_run,
+                                                                 self.executable, inputs)
+            if timings is not None:
+                timings["wait_s"] = started - submitted
         finally:
             self._on_worker -= 1
         _ewma(self._worker_cpu, bucket).add(cpu_s, self.alpha)
@@ -451,8 +458,9 @@ class PlanRuntime:
             return await self._run_pipelined(inputs, chunks, info)
         t0 = self._clock()
         self._host_active += 1
+        stage: dict[str, float] = {}
         try:
-            host_out = await self._host_runner.infer({n: inputs[n] for n in self.host.input_names}, rows)
+            host_out = await self._host_runner.infer({n: inputs[n] for n in self.host.input_names}, rows, stage)
         except ServingError:
             raise
         except OSError as exc:  # e.g. a tiered table's read failed: this batch fails, the next may not
@@ -481,7 +489,7 @@ class PlanRuntime:
             if tuner is not None and index >= 0:  # split or not: what the cards' path gave this batch
                 tuner.record(rows, self._clock() - t_card, on_host=False)
         t2 = self._clock()
-        info.timings.update(host_s=t1 - t0, card_s=t2 - t1, card=float(index))
+        info.timings.update(host_s=t1 - t0, host_wait_s=stage.get("wait_s", 0.0), card_s=t2 - t1, card=float(index))
         if index < 0:
             info.timings["dense_on_host"] = 1.0
         return outputs

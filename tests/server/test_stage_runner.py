@@ -125,3 +125,15 @@ async def test_one_slow_run_does_not_send_a_cheap_stage_to_its_worker() -> None:
     await _run(runner, 2)
     assert _on_loop(stage) == [False, True, True, True, True, True]
     stage.close()
+
+
+async def test_a_batch_behind_another_on_the_worker_reports_its_wait() -> None:
+    # The host stage's wait for its worker is what a burst of large queries costs (latency_breakdown's
+    # host_wait): two batches at once on a one-thread worker, the second waits out the first.
+    stage = Recorder(sleep_s=0.05)
+    runner = StageRunner(stage, max_inline_s=1e-4)  # both on the worker: nothing measured inline yet
+    first, second = {}, {}
+    x = {"x": np.ones(4, np.float32)}
+    await asyncio.gather(runner.infer(x, 4, first), runner.infer(x, 4, second))
+    assert first["wait_s"] < 0.04 <= second["wait_s"] < 5.0
+    stage.close()
