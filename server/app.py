@@ -25,6 +25,7 @@ from .http_server import RestServer
 from .infer_request import parse_model_infer
 from .metrics import ServerMetrics
 from .runtime import single_threaded_ops_here
+from .warmup import warm_up
 from .servicer import InferenceServicer
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
@@ -64,6 +65,8 @@ class ServerConfig:
     """On shutdown, first report not ready (grpc.health NOT_SERVING, REST ready 400) and keep
     serving for this long, so load balancers stop sending before anything is refused; then drain.
     sixfold-serve's default is 5 s; the library's is 0 (tests and notebooks stop at once)."""
+    warmup: bool = True
+    """Run a few synthetic batches through every model before serving it (``server.warmup``)."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -99,6 +102,10 @@ class SixfoldServer:
         keep_freed_memory()  # stage workers reuse their batch buffers (sixfold-serve sets it before any thread)
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+        if self.config.warmup:  # before the port opens: the first requests find the models warm
+            for model in self.core.all_versions():
+                if not model.warmed_up:
+                    await warm_up(model)
         server = self._server = grpc.aio.server(options=options)
         servicer = InferenceServicer(self.core, control_token=self.config.control_token, metrics=self.metrics)
         # NOTE: ModelInfer's own handler first (grpc asks handlers in order): its deserializer keeps the raw

@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-token", default=os.environ.get("SIXFOLD_METRICS_TOKEN"),
                    help="bearer token a /metrics scrape must carry (default: $SIXFOLD_METRICS_TOKEN; unset: none); "
                         "with --tls-cert, /metrics is served over HTTPS either way")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve each model without first running synthetic batches of 1..max-batch-rows rows through it "
+                        "(by default they run before READY, so the first requests do not pay one-time costs)")
     p.add_argument("--drain-seconds", type=float, default=5.0,
                    help="on SIGTERM, report not ready and keep serving this long before refusing new requests, "
                         "so load balancers notice first (default 5; 0: refuse at once; a second SIGTERM ends it)")
@@ -198,7 +201,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           control_token=args.control_token or None, metrics_token=args.metrics_token or None,
-                          drain_seconds=args.drain_seconds)
+                          drain_seconds=args.drain_seconds, warmup=not args.no_warmup)
     served_models = []
     if args.model:
         with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
@@ -231,7 +234,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         cache_policy=args.table_cache_policy,
                                         host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from)
 
-        control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit")
+        control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit",
+                                              warmup=not args.no_warmup)
         names = repository.names()
         if args.model_control_mode == "explicit" and "*" not in args.load_model:
             unknown = sorted(set(args.load_model) - set(names))

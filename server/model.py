@@ -41,6 +41,8 @@ class ServedModel:
     """A ``server.deltas.DeltaLog`` when table deltas can reach this model (a repository version with tables/)."""
     """For lookups not matched to tables (no per-table rows): ``check(inputs) -> None | why`` runs the
     host graph's index arithmetic on the request and checks each lookup's rows (``partitioner.id_check``)."""
+    warmed_up: bool = False
+    """Whether synthetic batches have run through it (``server.warmup``)."""
 
     def __post_init__(self) -> None:
         # Read at scrape time from the metrics thread: the queue's length, whichever batcher is set by then.

@@ -20,6 +20,7 @@ from .errors import ModelNotFound, ServingError, Unavailable
 from .gc_pause import freeze_loaded_objects, thaw
 from .model import ServedModel
 from .repository import ModelRepository, RepositoryError
+from .warmup import warm_up
 
 __all__ = ["ModelControl", "ModelState", "LoadFn"]
 
@@ -40,8 +41,10 @@ class ModelState:
 
 class ModelControl:
     def __init__(self, core: InferenceCore, repository: ModelRepository, load: LoadFn, *,
-                 explicit: bool = False) -> None:
+                 explicit: bool = False, warmup: bool = True) -> None:
         self.core, self.repository, self._load = core, repository, load
+        self.warmup = warmup
+        """Run synthetic batches through a loaded version before it is served (``server.warmup``)."""
         self.explicit = explicit
         """Whether clients may load and unload models (Triton's --model-control-mode=explicit)."""
         self._locks: dict[str, asyncio.Lock] = {}
@@ -92,6 +95,9 @@ class ModelControl:
                 if isinstance(exc, ServingError):
                     raise
                 raise Unavailable(f"failed to load model '{name}': {reason}") from None
+            if self.warmup:
+                for model in loaded:
+                    await warm_up(model)
             for model in loaded:  # swap in: from here requests without a version reach the newest
                 self.core.add(model)
             stale = [v for v in current if v not in wanted]
