@@ -4,9 +4,11 @@ A fresh model pays one-time costs on its first batches of each size: the C heap 
 batch's buffers (page faults), ONNX Runtime plans memory for a shape it has not seen, torch
 starts its thread pool, and the host-stage and host-dense tuners have nothing measured yet.
 Measured on rm2 (6 simcards, a quiet machine): the first 700-item batch after READY took
-136 ms in the host stage and 116 ms on the cards, against 19 and 4 ms once warm; the first
-requests of a run were 300-550 ms. A replica that a load balancer adds to a fleet takes traffic
-right after its readiness probe passes, so those first requests land in the fleet's p99.
+136 ms in the host stage and 116 ms on the cards, against 19 and 4 ms once warm; over the first
+6 s of 16 q/s of MLPerf-sized queries right after READY, client p99 was 79 and 144 ms cold against
+63 and 63 ms warmed (``bench/latency_breakdown.py --model rm2 --qps 16 --duration 6 --warmup 0``,
+``-- --no-warmup`` for cold). A replica that a load balancer adds to a fleet takes traffic right
+after its readiness probe passes, so those first requests land in the fleet's p99.
 
 ``warm_up`` runs batches of a few sizes (one row up to the largest batch the batcher makes)
 straight through the model's runtime, before the model is served: not through the batcher, so
