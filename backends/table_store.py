@@ -388,6 +388,12 @@ class TieredRows:
             self._log_hit_rate()
         return out
 
+    def reset_stats(self) -> None:
+        """Start the counters afresh (the rows cached stay): lookups before it were not traffic, e.g. a warm-up."""
+        with self.lock:
+            self.stats = CacheStats()
+            self._logged = (0, 0, 0)
+
     def _log_hit_rate(self) -> None:
         batches, hits, misses = self._logged
         s = self.stats

@@ -17,6 +17,7 @@ zero dense features, the plan's pooling per table (``sixfold.pooling``; one id p
 plan has none) and id 0 everywhere, which every table has. A model whose inputs are not the
 canonical three is warmed with zeros of each declared shape (dynamic dims = the batch size), and
 one that refuses a synthetic batch is logged and served anyway: a real request is what counts.
+A tiered host stage's row-cache counters are reset afterwards (its hits and misses are traffic's).
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def _zeros(spec: InputSpec, rows: int) -> np.ndarray:
     return np.zeros(tuple(shape), spec.dtype)
 
 
+def _forget_lookups(model: ServedModel) -> None:
+    """The synthetic batches are not traffic: a tiered host stage's row-cache counters start at zero."""
+    stage = getattr(model.runtime.host, "stage", None)
+    for store in stage.stores if stage is not None and hasattr(stage, "stores") else ():
+        store.reset_stats()
+
+
 async def warm_up(model: ServedModel, rows: tuple[int, ...] | None = None) -> WarmupReport:
     """Run one synthetic batch of each size in ``rows`` (default: ``warmup_rows`` of the model's batcher)."""
     sizes = rows if rows is not None else warmup_rows(model.batcher.config.max_batch_rows)
@@ -90,6 +98,7 @@ async def warm_up(model: ServedModel, rows: tuple[int, ...] | None = None) -> Wa
             break
         done.append(n)
     model.warmed_up = True
+    _forget_lookups(model)
     report = WarmupReport(model.name, tuple(done), time.perf_counter() - t0, failed)
     if not failed:
         log.info("model %s version %s warmed up in %.2f s (batches of %s rows)", model.name, model.version,

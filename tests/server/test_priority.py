@@ -195,8 +195,10 @@ def slow_rm1():
                               priority_queue_policy={1: QueuePolicy(max_queue_size=2)})
     served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=batching,
                               backend_options={"faults": {"slow_factor": 4000.0}})
-    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=free_port()),
-                                  metrics).start()
+    # NOTE: no warm-up: its batches would teach the host-dense tuner that these throttled cards are slow,
+    # and the test needs every batch held on a card
+    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=free_port(),
+                                                                        warmup=False), metrics).start()
     try:
         yield background.url
     finally:

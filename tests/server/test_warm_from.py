@@ -103,7 +103,8 @@ def test_serve_warm_from_fills_the_cache_before_ready_and_answers_like_resident(
         before = _metrics(port)  # no request yet: the warmed cache holds rows, the cold one none
         assert before['sixfold_table_cache_rows{model="tiered"}'] > 0
         assert before['sixfold_table_cache_rows{model="tiered"}'] <= before['sixfold_table_cache_slots{model="tiered"}']
-        assert before['sixfold_table_cache_rows{model="cold"}'] == 0
+        # the cold one holds at most row 0 of each of rm1's 8 tables: the synthetic warm-up batches' (server.warmup)
+        assert before['sixfold_table_cache_rows{model="cold"}'] <= 8
         assert before['sixfold_table_cache_hits_total{model="tiered"}'] == 0
         loaded = load_recording(recording)
         query = dict(loaded.tensors[int(loaded.query[0])])  # the first recorded request's query
