@@ -51,7 +51,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -281,23 +281,14 @@ class HostEmbeddingStage:
         Rows are ranked by how often the ids ask for them (``counts``: each id's weight, default 1)
         and read in file order (``TieredRows.warm``). A resident stage has nothing to warm (returns 0).
         """
-        if not self.stores:
-            return 0
-        lengths = np.asarray(sparse_lengths).reshape(-1).astype(np.int64)
-        ids = np.asarray(sparse_indices, dtype=np.int64)
-        table = np.repeat(np.tile(np.arange(self.num_tables), lengths.shape[0] // self.num_tables), lengths)
         loaded = 0
-        for g, group in enumerate(self.groups):
-            if group.store is None:
-                continue
-            mine = np.isin(table, group.tables)
-            rows = ids[mine] + self._row_offset_np[table[mine]]
+        for store, mine, rows in self._tiered_rows(sparse_lengths, sparse_indices):
             if counts is None:
                 unique, wanted = np.unique(rows, return_counts=True)
             else:
                 unique, inverse = np.unique(rows, return_inverse=True)
                 wanted = np.bincount(inverse.reshape(-1), weights=np.asarray(counts)[mine], minlength=unique.shape[0])
-            loaded += group.store.warm(unique[np.argsort(-wanted, kind="stable")])
+            loaded += store.warm(unique[np.argsort(-wanted, kind="stable")])
         return loaded
 
     def cached(self, sparse_lengths: np.ndarray, sparse_indices: np.ndarray) -> np.ndarray:
@@ -307,19 +298,23 @@ class HostEmbeddingStage:
         bit); reads the row index without the stores' locks, so it is exact only while no batch
         runs (e.g. after ``warm``, before serving).
         """
+        out = np.ones(np.shape(sparse_indices)[0], dtype=bool)
+        for store, mine, rows in self._tiered_rows(sparse_lengths, sparse_indices):
+            out[mine] = store.index[rows] >= 0
+        return out
+
+    def _tiered_rows(self, sparse_lengths: np.ndarray,
+                     sparse_indices: np.ndarray) -> Iterator[tuple[Any, np.ndarray, np.ndarray]]:
+        """Per tiered store: (the store, the positions of the ids its tables own, their rows in its weight)."""
+        if not self.stores:
+            return
         lengths = np.asarray(sparse_lengths).reshape(-1).astype(np.int64)
         ids = np.asarray(sparse_indices, dtype=np.int64)
-        out = np.ones(ids.shape[0], dtype=bool)
-        if not self.stores:
-            return out
         table = np.repeat(np.tile(np.arange(self.num_tables), lengths.shape[0] // self.num_tables), lengths)
         for group in self.groups:
-            if group.store is None:
-                continue
-            mine = np.flatnonzero(np.isin(table, group.tables))
-            rows = ids[mine] + self._row_offset_np[table[mine]]
-            out[mine] = group.store.index[rows] >= 0
-        return out
+            if group.store is not None:
+                mine = np.flatnonzero(np.isin(table, group.tables))
+                yield group.store, mine, ids[mine] + self._row_offset_np[table[mine]]
 
     @property
     def stores(self) -> list[Any]:

@@ -55,7 +55,7 @@ import numpy as np
 from . import pread
 
 __all__ = ["TieredRows", "RowOverlay", "TableFile", "TableMemoryError", "TableReadError", "TooManyMisses", "CacheStats",
-           "parse_bytes", "parse_table_memory", "open_table_file", "POLICIES", "READ_BUCKETS"]
+           "split_budget", "parse_bytes", "parse_table_memory", "open_table_file", "POLICIES", "READ_BUCKETS"]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,27 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
+def split_budget(budget: int, total_rows: int, row_bytes: int, *, policy: Policy = "tinylfu",
+                 min_staging_rows: int = 1, staging_share: float = 0.125, ways: int = 8) -> tuple[int, int, int]:
+    """How ``TieredRows`` splits ``budget`` bytes: (cache slots, staging rows, sketch bytes).
+
+    The row index comes out first (4 B a table row), then the staging rows for one batch's distinct
+    misses (``staging_share`` of the rest, at least ``min_staging_rows``), then the admission sketch
+    (tinylfu only); the rest is cache slots of a row and its bookkeeping each. The slot count is not
+    clamped (it may be below ``ways`` or above ``total_rows``): the store and the tier pricing
+    (``partitioner.tiers``) clamp it each their way.
+    """
+    slot_bytes = row_bytes + _SLOT_OVERHEAD
+    rest = budget - _INDEX_BYTES * total_rows
+    staging = max(max(1, int(min_staging_rows)), int(rest * staging_share) // row_bytes)
+    sketch = 0
+    if policy == "tinylfu":
+        sketch = 1 << max(10, int(np.ceil(np.log2(max(1, (rest - staging * row_bytes) // slot_bytes)))))
+        if rest - staging * row_bytes - sketch < ways * slot_bytes:
+            sketch = 1024
+    return int((rest - staging * row_bytes - sketch) // slot_bytes), int(staging), sketch
+
+
 class TieredRows:
     """Rows of ``files`` (one weight, tables back to back) on disk behind a DRAM cache of ``budget`` bytes.
 
@@ -211,14 +232,8 @@ class TieredRows:
                 f"table memory {_fmt(budget)} is below this model's minimum of {_fmt(minimum)}: "
                 f"a row index of {_fmt(index_bytes)} ({_INDEX_BYTES} B x {self.total_rows} rows), one item's "
                 f"{min_staging} ids staged ({_fmt(min_staging * self.row_bytes)}) and {ways} cache slots")
-        rest = budget - index_bytes
-        staging = max(min_staging, int(rest * staging_share) // self.row_bytes)
-        sketch = 0
-        if policy == "tinylfu":
-            sketch = 1 << max(10, int(np.ceil(np.log2(max(1, (rest - staging * self.row_bytes) // slot_bytes)))))
-            if rest - staging * self.row_bytes - sketch < ways * slot_bytes:
-                sketch = 1024
-        slots = (rest - staging * self.row_bytes - sketch) // slot_bytes
+        slots, staging, sketch = split_budget(budget, self.total_rows, self.row_bytes, policy=policy,
+                                              min_staging_rows=min_staging, staging_share=staging_share, ways=ways)
         slots = min(max(ways, slots), self.total_rows)  # never more slots than rows
         self.slots, self.staging_rows = int(slots), int(staging)
         self.budget = budget

@@ -237,16 +237,17 @@ def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: D
                 stage.warm(np.concatenate([b[keys[0]] for b in warm]), np.concatenate([b[keys[1]] for b in warm]))
             for b in settle:
                 exe.run(b)
-            before = [(s.stats.hits, s.stats.misses, s.stats.rows_read) for s in stage.stores]
+            for s in stage.stores:  # count the timed batches only
+                s.reset_stats()
             times = []
             for run in timed:
                 t0 = time.perf_counter()
                 for b in run:
                     exe.run(b)
                 times.append((time.perf_counter() - t0) / len(run))
-            hits = sum(s.stats.hits - h for s, (h, _, _) in zip(stage.stores, before))
-            misses = sum(s.stats.misses - m for s, (_, m, _) in zip(stage.stores, before))
-            read = sum(s.stats.rows_read - r for s, (_, _, r) in zip(stage.stores, before))
+            hits = sum(s.stats.hits for s in stage.stores)
+            misses = sum(s.stats.misses for s in stage.stores)
+            read = sum(s.stats.rows_read for s in stage.stores)
         finally:
             exe.close()
         out.append(TierMeasure(budget=budget, budget_bytes=priced.budget_bytes, items=pricing.items,

@@ -220,16 +220,10 @@ class TierPricing:
 
 def _cache_slots(budget: int, rows_total: int, row_bytes: int, min_staging_rows: int) -> int:
     """Cache slots ``TieredRows`` makes of ``budget`` (tinylfu): less the row index, the staging rows, the sketch."""
-    from backends.table_store import _INDEX_BYTES, _SLOT_OVERHEAD
+    from backends.table_store import split_budget
 
-    slot_bytes = row_bytes + _SLOT_OVERHEAD
-    rest = budget - _INDEX_BYTES * rows_total
-    staging = max(max(1, int(min_staging_rows)), int(rest * 0.125) // row_bytes)
-    free = rest - staging * row_bytes
-    sketch = 1 << max(10, int(math.ceil(math.log2(max(1, free // slot_bytes)))))
-    if free - sketch < 8 * slot_bytes:
-        sketch = 1024
-    return int(min(rows_total, max(0, (free - sketch) // slot_bytes)))
+    slots, _, _ = split_budget(budget, rows_total, row_bytes, min_staging_rows=min_staging_rows)
+    return min(rows_total, max(0, slots))
 
 
 def price_tiers(table_rows: Sequence[int], pooling: Sequence[float], row_bytes: int, alpha: float,

@@ -25,8 +25,8 @@ from .http_server import RestServer
 from .infer_request import parse_model_infer
 from .metrics import ServerMetrics
 from .runtime import single_threaded_ops_here
-from .warmup import warm_up
 from .servicer import InferenceServicer
+from .warmup import warm_up
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
 

@@ -35,9 +35,9 @@ the service rate measured on finished batches (Little's law: a batch that ran
 with k batches in flight for t seconds drained k x its estimate in t), so the
 bound is in real seconds whatever the cost model's scale. A request alone in the
 queue is always admitted: a query larger than the bound can still run. When a
-burst of large requests (>= 1 MiB each; ``trim_after_bytes`` queued and running at one time) has drained and no
-batch runs, freed heap pages are given back to the kernel (``server.allocator.give_back_freed_memory``), off the event
-loop, at most once a second.
+burst of large requests (>= 1 MiB each, ``trim_after_bytes`` queued and running at one time) has
+drained and no batch runs, freed heap pages are given back to the kernel
+(``server.allocator.give_back_freed_memory``), off the event loop, at most once a second.
 """
 
 from __future__ import annotations
@@ -329,9 +329,9 @@ class DynamicBatcher:
                  trim: Callable[[], object] | None = give_back_freed_memory,
                  trim_after_bytes: int = TRIM_AFTER_BYTES, trim_every_s: float = 1.0) -> None:
         """``cost(inputs, rows) -> seconds``: a request's estimated work (None: the work bound is off).
-        ``trim``: gives freed memory back once requests that held ``trim_after_bytes`` at one time (queued
-        and running, counted as large ones, >= 1 MiB, arrive) (or half of ``max_queue_bytes``, if less) have drained (None: never), at most once
-        every ``trim_every_s``."""
+        ``trim``: gives freed memory back once a burst has drained (None: never), at most once every
+        ``trim_every_s``; a burst is requests holding ``trim_after_bytes`` (or half of ``max_queue_bytes``,
+        if less) queued and running at one time, counted as large ones (>= 1 MiB) arrive."""
         self._run_batch = run_batch
         self.config = config
         self._max_inflight = max_inflight

@@ -81,15 +81,13 @@ def _rows_text(rows: Sequence[int]) -> str:
     return f"{len(rows)} tables of {min(rows):,}..{max(rows):,} rows"
 
 
-def _check_query(path: str, k: int, query: dict[str, np.ndarray], table_rows: np.ndarray) -> None:
-    """Refuse a recorded query that does not fit the model's tables (count, ids in range)."""
+def _check_query(path: str, k: int, query: dict[str, np.ndarray], table_rows: np.ndarray) -> np.ndarray:
+    """Each id's table in a recorded query; refuses one that does not fit the model's tables (count, ids in range)."""
     lengths, ids = np.asarray(query[_LENGTHS]), np.asarray(query[_INDICES]).reshape(-1)
     tables = table_rows.shape[0]
     if lengths.ndim != 2 or lengths.shape[1] != tables:
         raise ValueError(f"recording {path!r} was made for another model: its queries have {_LENGTHS} "
                          f"{list(lengths.shape)}, this model has {tables} tables")
-    if not ids.size:
-        return
     table = np.repeat(np.tile(np.arange(tables), lengths.shape[0]), lengths.reshape(-1).astype(np.int64))
     bad = (ids < 0) | (ids >= table_rows[table])
     if bad.any():
@@ -97,6 +95,7 @@ def _check_query(path: str, k: int, query: dict[str, np.ndarray], table_rows: np
         t = int(table[i])
         raise ValueError(f"recording {path!r} was made for another model: query {k} asks for row {int(ids[i])} of "
                          f"table {t}, which has {int(table_rows[t]):,} rows")
+    return table
 
 
 def _merge(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -139,10 +138,8 @@ def warm_from_recording(stage: Any, path: str | Path, *, model: str) -> WarmRepo
     pending: list[tuple[np.ndarray, np.ndarray]] = []
     pending_size, ids_fed = 0, 0
     for k in used:
-        _check_query(name, k, tensors[k], table_rows)
-        lengths = np.asarray(tensors[k][_LENGTHS])
+        table = _check_query(name, k, tensors[k], table_rows)
         ids = np.asarray(tensors[k][_INDICES]).reshape(-1).astype(np.int64)
-        table = np.repeat(np.tile(np.arange(table_rows.shape[0]), lengths.shape[0]), lengths.reshape(-1))
         unique, times = np.unique(table * span + ids, return_counts=True)
         pending.append((unique, times * float(requests[k])))
         pending_size += unique.shape[0]

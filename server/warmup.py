@@ -38,6 +38,7 @@ __all__ = ["WarmupReport", "warm_up", "warmup_rows", "synthetic_batch"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class WarmupReport:
     model: str
@@ -56,17 +57,14 @@ def warmup_rows(max_batch_rows: int) -> tuple[int, ...]:
 def synthetic_batch(model: ServedModel, rows: int) -> dict[str, np.ndarray]:
     """Inputs of ``rows`` items that every model of this signature accepts (zeros, id 0, the plan's pooling)."""
     specs = {s.name: s for s in model.input_specs}
-    if {DENSE, LENGTHS, INDICES} <= set(specs):
+    inputs = {name: _zeros(spec, rows) for name, spec in specs.items()}
+    if {DENSE, LENGTHS, INDICES} <= set(specs):  # the canonical request: the plan's pooling, id 0
         tables = specs[LENGTHS].shape[-1] if specs[LENGTHS].shape[-1] > 0 else len(model.table_rows or [1])
         pooling = (model.plan.tables or {}).get("pooling") or [1] * tables
         per_bag = np.maximum(1, np.rint(np.asarray(pooling, dtype=np.float64))).astype(np.int32)
-        lengths = np.broadcast_to(per_bag[:tables], (rows, tables)).copy()
-        inputs = {LENGTHS: lengths, INDICES: np.zeros(int(lengths.sum()), np.int64)}
-        for name, spec in specs.items():
-            if name not in inputs:
-                inputs[name] = _zeros(spec, rows)
-        return inputs
-    return {name: _zeros(spec, rows) for name, spec in specs.items()}
+        inputs[LENGTHS] = np.broadcast_to(per_bag[:tables], (rows, tables)).copy()
+        inputs[INDICES] = np.zeros(int(inputs[LENGTHS].sum()), np.int64)
+    return inputs
 
 
 def _zeros(spec: InputSpec, rows: int) -> np.ndarray:
