@@ -176,6 +176,7 @@ def test_replicate_and_pipeline_keep_the_partition_invariants(drawn, cards, memo
             if node.name in stage_of and source.name in stage_of:
                 assert stage_of[source.name] <= stage_of[node.name]
     for stage, weights in zip(stages, choice.stage_param_bytes):
-        assert module_param_bytes(stage.module) == weights and weights * HEADROOM <= memory
+        # whole bytes, as the strategy counts them (112 B x 1.1 = 123.2 fits 123: hypothesis found it)
+        assert module_param_bytes(stage.module) == weights and int(weights * HEADROOM) <= memory
     _, outputs = run_stages(stages, dict(zip(split.dense_inputs, dense_args(request))))
     torch.testing.assert_close(outputs["scores"], expected, rtol=0, atol=1e-5)
