@@ -37,7 +37,9 @@ bound is in real seconds whatever the cost model's scale. A request alone in the
 queue is always admitted: a query larger than the bound can still run. When a
 burst of large requests (>= 1 MiB each, ``trim_after_bytes`` queued and running at one time) has
 drained and no batch runs, freed heap pages are given back to the kernel
-(``server.allocator.give_back_freed_memory``), off the event loop, at most once a second.
+(``server.allocator.give_back_freed_memory``), off the event loop, at most once a second; large
+requests that reach that many bytes one after another, only after a second with no request (steady
+traffic keeps its buffers).
 """
 
 from __future__ import annotations
@@ -327,11 +329,13 @@ class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, config: BatchingConfig, *, max_inflight: int,
                  clock: Callable[[], float] = time.monotonic, cost: RequestCost | None = None,
                  trim: Callable[[], object] | None = give_back_freed_memory,
-                 trim_after_bytes: int = TRIM_AFTER_BYTES, trim_every_s: float = 1.0) -> None:
+                 trim_after_bytes: int = TRIM_AFTER_BYTES, trim_every_s: float = 1.0,
+                 trim_quiet_s: float = 1.0) -> None:
         """``cost(inputs, rows) -> seconds``: a request's estimated work (None: the work bound is off).
         ``trim``: gives freed memory back once a burst has drained (None: never), at most once every
         ``trim_every_s``; a burst is requests holding ``trim_after_bytes`` (or half of ``max_queue_bytes``,
-        if less) queued and running at one time, counted as large ones (>= 1 MiB) arrive."""
+        if less) queued and running at one time, counted as large ones (>= 1 MiB) arrive. Large requests
+        that add up to the mark one after another are given back after ``trim_quiet_s`` with no request."""
         self._run_batch = run_batch
         self.config = config
         self._max_inflight = max_inflight
@@ -364,6 +368,10 @@ class DynamicBatcher:
         """Most bytes of requests queued and running at one time (counted when a large one, >= 1 MiB,
         arrives; refused ones included) since the queue last drained."""
         self._running_bytes = 0
+        self._since_trim = 0
+        """Bytes of large requests since memory was last given back (given back after ``trim_quiet_s`` of quiet)."""
+        self._arrivals = 0
+        self._trim_quiet_s = trim_quiet_s
         self._running = 0
         if config.max_queue_bytes:  # NOTE: a queue bounded below the mark could never reach it
             trim_after_bytes = min(trim_after_bytes, config.max_queue_bytes // 2)
@@ -441,6 +449,9 @@ class DynamicBatcher:
         nbytes = 0
         for array in inputs.values():
             nbytes += array.nbytes
+        self._arrivals += 1
+        if nbytes >= _MIB:
+            self._since_trim += nbytes
         if nbytes >= _MIB and self._bytes + self._running_bytes + nbytes > self._burst:
             # NOTE: small requests reuse the heap's buffers; large ones held together (queued or
             # running) are a burst (a refused one too: its bytes were decoded)
@@ -666,8 +677,13 @@ class DynamicBatcher:
     def _maybe_trim(self) -> None:
         """Give freed memory back once a burst of large requests has drained and no batch runs: off the
         loop, at most once every ``trim_every_s``."""
-        if self._trim is None or self._burst < self._trim_after:
+        if self._trim is None:
+            return
+        if self._burst < self._trim_after:
             self._burst = 0  # drained below the mark: the next burst is measured afresh
+            if self._since_trim >= self._trim_after:  # large requests one after another: give back once quiet
+                arrivals, loop = self._arrivals, asyncio.get_running_loop()
+                loop.call_later(self._trim_quiet_s, self._trim_if_quiet, arrivals)
             return
         now = time.monotonic()
         if now - self._last_trim < self._trim_every:
@@ -677,11 +693,18 @@ class DynamicBatcher:
         # NOTE: a little later, so the last batch's responses are sent and their buffers freed first
         loop.call_later(0.05, lambda: loop.run_in_executor(None, self._run_trim))
 
+    def _trim_if_quiet(self, arrivals: int) -> None:
+        """``trim_quiet_s`` after a drain: give memory back if no request came since (off the loop)."""
+        if arrivals == self._arrivals and not self._bytes and not self._running:
+            self._last_trim = time.monotonic()
+            asyncio.get_running_loop().run_in_executor(None, self._run_trim)
+
     def _run_trim(self) -> None:
         if self._bytes or self._running:  # a new burst arrived meanwhile: its buffers are in use
             self._burst = max(self._burst, self._trim_after)
             self._last_trim = -math.inf
             return
+        self._since_trim = 0
         self._trim()  # type: ignore[misc]
         self._trims += 1
 

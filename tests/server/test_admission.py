@@ -230,6 +230,25 @@ async def test_large_requests_one_at_a_time_are_no_burst_and_keep_their_memory()
     assert len(calls) == 1
 
 
+async def test_large_requests_one_after_another_are_given_back_once_the_server_is_quiet() -> None:
+    # Not a burst, but the heap grew: given back after trim_quiet_s with no request, never while they come.
+    calls: list[float] = []
+    model = HeldModel()
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1, max_queue_delay_microseconds=0),
+                             max_inflight=1, trim=lambda: calls.append(time.monotonic()),
+                             trim_after_bytes=2 * MIB, trim_every_s=0.0, trim_quiet_s=0.15)
+    model.gate.set()
+    for _ in range(4):
+        await batcher.submit(_request(MIB // 8), MIB // 8)  # 1 MiB each, 0.05 s apart: never quiet for 0.15 s
+        await asyncio.sleep(0.05)
+    assert calls == []
+    await asyncio.sleep(0.4)
+    assert len(calls) == 1 and batcher.trims == 1
+    await asyncio.sleep(0.3)
+    assert len(calls) == 1  # nothing came since: nothing more to give back
+    await batcher.close()
+
+
 def test_plan_cost_prices_ids_on_the_host_and_items_on_the_cards() -> None:
     from partitioner.compile import partition_builtin
 
