@@ -679,19 +679,18 @@ class DynamicBatcher:
         loop, at most once every ``trim_every_s``."""
         if self._trim is None:
             return
-        if self._burst < self._trim_after:
-            self._burst = 0  # drained below the mark: the next burst is measured afresh
-            if self._since_trim >= self._trim_after:  # large requests one after another: give back once quiet
-                arrivals, loop = self._arrivals, asyncio.get_running_loop()
-                loop.call_later(self._trim_quiet_s, self._trim_if_quiet, arrivals)
-            return
-        now = time.monotonic()
-        if now - self._last_trim < self._trim_every:
-            return
-        self._last_trim, self._burst = now, 0
         loop = asyncio.get_running_loop()
-        # NOTE: a little later, so the last batch's responses are sent and their buffers freed first
-        loop.call_later(0.05, lambda: loop.run_in_executor(None, self._run_trim))
+        now = time.monotonic()
+        if self._burst >= self._trim_after and now - self._last_trim >= self._trim_every:
+            self._last_trim, self._burst = now, 0
+            # NOTE: a little later, so the last batch's responses are sent and their buffers freed first
+            loop.call_later(0.05, lambda: loop.run_in_executor(None, self._run_trim))
+            return
+        # NOTE: a burst within trim_every_s of the last trim, or large requests one after another: give
+        # back once nothing has come for trim_quiet_s (a later arrival cancels it; steady traffic never waits)
+        if self._burst >= self._trim_after or self._since_trim >= self._trim_after:
+            loop.call_later(self._trim_quiet_s, self._trim_if_quiet, self._arrivals)
+        self._burst = 0  # drained: the next burst is measured afresh
 
     def _trim_if_quiet(self, arrivals: int) -> None:
         """``trim_quiet_s`` after a drain: give memory back if no request came since (off the loop)."""
