@@ -17,6 +17,7 @@ import pytest
 from server.admission import PlanCost
 from server.batcher import BatchingConfig, BatchInfo, DynamicBatcher
 from server.errors import DeadlineExceeded, Overloaded
+from tests.virtual_time import loop_clock, virtual_time
 
 MIB = 1 << 20
 
@@ -113,6 +114,84 @@ async def test_estimates_are_rescaled_by_the_measured_service_rate() -> None:
         batcher.enqueue(_request(1), 1)
     model.gate.set()
     await _drain(running)
+    await batcher.close()
+
+
+class CardTime:
+    """Each batch takes ``seconds_per_row`` x its rows of virtual time, then waits for ``gate`` (open by default)."""
+
+    def __init__(self, seconds_per_row: float) -> None:
+        self.seconds_per_row = seconds_per_row
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.batches: list[int] = []
+
+    async def __call__(self, inputs: dict[str, np.ndarray], info: BatchInfo) -> dict[str, np.ndarray]:
+        self.batches.append(inputs["x"].shape[0])
+        await asyncio.sleep(self.seconds_per_row * inputs["x"].shape[0])
+        await self.gate.wait()
+        return {"y": inputs["x"][:, :1] * 2}
+
+
+MS_PER_ROW = 15.6 / 700
+"""rm2's cost model in make demo: a 700-item query is estimated at 15.6 ms."""
+
+
+async def _demo_batcher(busy_slots: int = 0) -> tuple[CardTime, DynamicBatcher, list[asyncio.Future]]:
+    """make demo's batcher (6 cards: 7 slots, 30 ms bound) with the scale measured at 2.6, and
+    ``busy_slots`` slots held by 1-row batches."""
+    model = CardTime(2.6 * MS_PER_ROW / 1e3)  # the cards take 2.6x the cost model's estimate
+    batcher = DynamicBatcher(model, BatchingConfig(max_batch_rows=1024, max_queue_work_ms=30), max_inflight=7,
+                             clock=loop_clock(), cost=per_row_ms(MS_PER_ROW))
+    await batcher.submit(_request(100), 100)  # alone: teaches the scale
+    assert batcher.seconds_per_estimate == pytest.approx(2.6)
+    model.gate.clear()
+    held = []
+    for _ in range(busy_slots):
+        held.append(asyncio.ensure_future(batcher.submit(_request(1), 1)))
+        await asyncio.sleep(0.003)  # past the 2 ms window: a batch of its own
+    assert model.batches == [100] + [1] * busy_slots and batcher.queued == 0
+    return model, batcher, held
+
+
+@virtual_time
+async def test_queued_work_that_free_slots_take_at_once_is_not_a_wait() -> None:
+    """make demo at 5 q/s: a 700-item and a 300-item query arrive in one turn of the loop, every card idle.
+
+    The 700's 15.6 ms estimate x the measured 2.6 = 40.6 ms counted as a wait over the 30 ms bound
+    and the 300 was refused, though a free slot takes the 700 at once (had the loop taken it a
+    moment earlier it would have been running, and not counted).
+    """
+    model, batcher, _ = await _demo_batcher()
+    model.gate.set()
+    large = batcher.enqueue(_request(700), 700)  # same turn: the batching loop has not run yet
+    assert batcher.queued_work_s == pytest.approx(0.04056)  # queued, over the 30 ms bound
+    small = batcher.enqueue(_request(300), 300)  # admitted: a free slot takes the 700 at once
+    assert (await small.future)["y"].shape == (300, 1) and (await large.future)["y"].shape == (700, 1)
+    assert model.batches == [100, 1000]  # they rode together, without waiting the window (no_wait_rows)
+    await batcher.close()
+
+
+@virtual_time
+async def test_queued_work_that_waits_for_a_slot_is_still_a_wait() -> None:
+    """Overload is still refused: with every slot busy the queued 700 waits for one, and would the 300."""
+    model, batcher, held = await _demo_batcher(busy_slots=7)
+    queued = [batcher.enqueue(_request(700), 700)]
+    with pytest.raises(Overloaded, match=r"40\.6 ms of work waiting ahead exceeds max_queue_work_ms 30"):
+        batcher.enqueue(_request(300), 300)
+    model.gate.set()
+    await asyncio.gather(*held, queued[0].future)
+    await batcher.close()
+
+    # One slot free: it takes the first 700; the second does not fit that batch (1400 rows > 1024)
+    # and waits for a slot, so the 300 behind both is refused for the second alone.
+    model, batcher, held = await _demo_batcher(busy_slots=6)
+    queued = [batcher.enqueue(_request(700), 700), batcher.enqueue(_request(700), 700)]
+    assert batcher.queued_work_s == pytest.approx(2 * 0.04056)
+    with pytest.raises(Overloaded, match=r"40\.6 ms of work waiting ahead exceeds max_queue_work_ms 30"):
+        batcher.enqueue(_request(300), 300)
+    model.gate.set()
+    await asyncio.gather(*held, *(q.future for q in queued))
     await batcher.close()
 
 
