@@ -67,6 +67,9 @@ class ServerConfig:
     sixfold-serve's default is 5 s; the library's is 0 (tests and notebooks stop at once)."""
     warmup: bool = True
     """Run a few synthetic batches through every model before serving it (``server.warmup``)."""
+    shared_memory: bool = True
+    """Accept Triton's system shared memory extension: co-located clients register /dev/shm
+    segments and send tensors by region (``server.shared_memory``); False refuses it."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -87,6 +90,8 @@ class ServerConfig:
 class SixfoldServer:
     def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.core, self.config, self.metrics = core, config, metrics
+        if not config.shared_memory:
+            core.shared_memory = None
         self.port: int | None = None
         self.http_port: int | None = None
         """The bound REST port, once started with ``config.http_port`` set."""

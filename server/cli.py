@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true",
                    help="serve each model without first running synthetic batches of 1..max-batch-rows rows through it "
                         "(by default they run before READY, so the first requests do not pay one-time costs)")
+    p.add_argument("--no-shared-memory", action="store_true",
+                   help="refuse Triton's system shared memory extension (on by default: co-located clients may "
+                        "register /dev/shm segments and send tensors by region instead of over the socket)")
     p.add_argument("--drain-seconds", type=float, default=5.0,
                    help="on SIGTERM, report not ready and keep serving this long before refusing new requests, "
                         "so load balancers notice first (default 5; 0: refuse at once; a second SIGTERM ends it)")
@@ -201,7 +204,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           control_token=args.control_token or None, metrics_token=args.metrics_token or None,
-                          drain_seconds=args.drain_seconds, warmup=not args.no_warmup)
+                          drain_seconds=args.drain_seconds, warmup=not args.no_warmup,
+                          shared_memory=not args.no_shared_memory)
     served_models = []
     if args.model:
         with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):

@@ -13,9 +13,13 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from .errors import InvalidInput
+from .shared_memory import SharedMemoryRegistry
 
 __all__ = ["DTYPES", "decode_inputs", "requested_outputs", "request_timeout", "request_priority", "encode_response",
-           "datatype_of"]
+           "datatype_of", "shared_memory_ref", "output_regions", "SharedMemoryRef"]
+
+SharedMemoryRef = tuple[str, int, int]
+"""(region name, offset, byte size) of a tensor kept in shared memory (server.shared_memory)."""
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -65,17 +69,40 @@ def _from_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor, dtype
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
-def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
-    """The request's input tensors by name, from raw_input_contents or typed contents."""
+def _param_int(parameters, key: str, what: str) -> int:
+    param = parameters[key]
+    which = param.WhichOneof("parameter_choice")
+    value = getattr(param, which) if which else None
+    if which not in ("int64_param", "uint64_param") or value < 0:
+        raise InvalidInput(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def shared_memory_ref(parameters, what: str) -> SharedMemoryRef | None:
+    """The tensor's region, offset and byte size when its parameters put it in shared memory
+    (Triton's ``shared_memory_region``, ``shared_memory_offset``, ``shared_memory_byte_size``)."""
+    if "shared_memory_region" not in parameters:
+        return None
+    region = parameters["shared_memory_region"]
+    if region.WhichOneof("parameter_choice") != "string_param" or not region.string_param:
+        raise InvalidInput(f"{what}: parameter 'shared_memory_region' must be a region name")
+    if "shared_memory_byte_size" not in parameters:
+        raise InvalidInput(f"{what}: parameter 'shared_memory_byte_size' is missing beside "
+                           "'shared_memory_region'")
+    offset = _param_int(parameters, "shared_memory_offset", what) if "shared_memory_offset" in parameters else 0
+    return region.string_param, offset, _param_int(parameters, "shared_memory_byte_size", what)
+
+
+def decode_inputs(request: service_pb2.ModelInferRequest,
+                  shared_memory: SharedMemoryRegistry | None = None) -> dict[str, np.ndarray]:
+    """The request's input tensors by name, from raw_input_contents, typed contents or shared
+    memory regions (``shared_memory``: the server's registry; None refuses such inputs)."""
     # NOTE: runs on the event loop for every request: each protobuf field read is a call into
     # upb, so every field is read once, and each input is one ndarray over its raw bytes.
     raw = request.raw_input_contents
     tensors = request.inputs
-    if not raw:
-        return _decode_typed(tensors)
-    if len(raw) != len(tensors):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs; "
-                           "they must match one to one")
+    if len(raw) != len(tensors):  # some (or all) inputs come as contents or from shared memory
+        return _decode_mixed(tensors, raw, shared_memory)
     arrays: dict[str, np.ndarray] = {}
     for tensor, data in zip(tensors, raw):
         name = tensor.name
@@ -101,17 +128,62 @@ def _raw_mismatch(tensor: service_pb2.ModelInferRequest.InferInputTensor, name: 
                        f"{list(shape)} of {tensor.datatype} needs {need}")
 
 
-def _decode_typed(tensors) -> dict[str, np.ndarray]:
-    """Inputs sent as typed contents (``contents.fp32_contents`` etc.) instead of raw bytes."""
+def _decode_mixed(tensors, raw, shared_memory: SharedMemoryRegistry | None) -> dict[str, np.ndarray]:
+    """Inputs from shared memory regions, typed contents (``contents.fp32_contents`` etc.) or raw
+    bytes, in Triton's order: raw_input_contents holds the inputs that have neither, in order."""
     arrays: dict[str, np.ndarray] = {}
+    next_raw = 0
     for tensor in tensors:
         name = tensor.name
         if name in arrays:
             raise InvalidInput(f"input '{name}' appears twice")
         dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)
         shape = _shape(tensor)
-        arrays[name] = _from_contents(tensor, dtype, shape, math.prod(shape))
+        need = math.prod(shape) * dtype.itemsize
+        what = f"input '{name}'"
+        ref = shared_memory_ref(tensor.parameters, what)
+        if ref is not None:
+            if shared_memory is None:
+                raise InvalidInput(f"{what}: this server does not accept shared memory inputs")
+            if tensor.HasField("contents"):
+                raise InvalidInput(f"{what}: has both contents and a shared memory region")
+            region, offset, byte_size = ref
+            if byte_size != need:
+                raise InvalidInput(f"{what}: shared_memory_byte_size is {byte_size} but shape {list(shape)} of "
+                                   f"{tensor.datatype} needs {need}")
+            arrays[name] = np.ndarray(shape, dtype, shared_memory.read(region, offset, byte_size, what=what))
+        elif tensor.HasField("contents"):
+            if raw:
+                raise InvalidInput(f"{what}: has typed contents in a request that also has raw_input_contents")
+            arrays[name] = _from_contents(tensor, dtype, shape, math.prod(shape))
+        elif next_raw < len(raw):
+            data = raw[next_raw]
+            next_raw += 1
+            if len(data) != need:
+                _raw_mismatch(tensor, name, arrays, list(shape), dtype, data)
+            arrays[name] = np.ndarray(shape, dtype, data)
+        else:
+            arrays[name] = _from_contents(tensor, dtype, shape, math.prod(shape))  # raises: no values
+    if next_raw != len(raw):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for the {next_raw} inputs without "
+                           "contents or shared memory; they must match one to one")
     return arrays
+
+
+def output_regions(request: service_pb2.ModelInferRequest,
+                   shared_memory: SharedMemoryRegistry | None = None) -> dict[str, SharedMemoryRef]:
+    """The requested outputs to be written into shared memory regions, checked before any work."""
+    regions: dict[str, SharedMemoryRef] = {}
+    for output in request.outputs:
+        what = f"output '{output.name}'"
+        ref = shared_memory_ref(output.parameters, what)
+        if ref is None:
+            continue
+        if shared_memory is None:
+            raise InvalidInput(f"{what}: this server does not accept shared memory outputs")
+        shared_memory.check(*ref, what=what)
+        regions[output.name] = ref
+    return regions
 
 
 def requested_outputs(request: service_pb2.ModelInferRequest) -> list[str]:
@@ -149,14 +221,29 @@ def request_priority(request: service_pb2.ModelInferRequest) -> int:
     return int(value)
 
 
-def encode_response(model: str, version: str, request_id: str,
-                    outputs: Mapping[str, np.ndarray]) -> service_pb2.ModelInferResponse:
-    """Outputs as raw_output_contents (what tritonclient and perf_analyzer read)."""
+def encode_response(model: str, version: str, request_id: str, outputs: Mapping[str, np.ndarray],
+                    regions: Mapping[str, SharedMemoryRef] | None = None,
+                    shared_memory: SharedMemoryRegistry | None = None) -> service_pb2.ModelInferResponse:
+    """Outputs as raw_output_contents (what tritonclient and perf_analyzer read); those named in
+    ``regions`` are written into their shared memory region instead, and carry an empty entry so
+    that raw_output_contents stays one entry per output."""
     response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=request_id)
     for name, array in outputs.items():
         out = response.outputs.add()
         out.name = name
         out.datatype = datatype_of(array)
         out.shape.extend(array.shape)
-        response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+        ref = regions.get(name) if regions else None
+        if ref is None:
+            response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+            continue
+        assert shared_memory is not None
+        region, offset, byte_size = ref
+        shared_memory.write(region, offset, byte_size, np.ascontiguousarray(array).data.cast("B"),
+                            what=f"output '{name}'")
+        out.parameters["shared_memory_region"].string_param = region
+        out.parameters["shared_memory_byte_size"].int64_param = array.nbytes
+        if offset:
+            out.parameters["shared_memory_offset"].int64_param = offset
+        response.raw_output_contents.append(b"")
     return response

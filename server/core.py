@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from .errors import ModelNotFound, Unavailable
 from .model import ServedModel
+from .shared_memory import SharedMemoryRegistry
 
 __all__ = ["InferenceCore"]
 
@@ -35,6 +36,8 @@ class InferenceCore:
         self.last_rpc_at = 0.0
         self.control = None
         """A ModelControl when the server has a model repository (RepositoryIndex/Load/Unload)."""
+        self.shared_memory: SharedMemoryRegistry | None = SharedMemoryRegistry()
+        """System shared memory regions clients registered (Triton's extension); None: refused."""
 
     def rpc_started(self) -> None:
         self.active_rpcs += 1

@@ -187,6 +187,8 @@ class _Routes:
     @_rest_errors
     async def server_metadata(self, request: Request) -> Response:
         extensions = ["binary_tensor_data", "model_configuration", "statistics"]
+        if self.core.shared_memory is not None:
+            extensions.append("system_shared_memory")
         if self.core.control is not None:
             extensions.append("model_repository")
         return _json({"name": "sixfold", "version": __version__, "extensions": extensions})
@@ -222,14 +224,14 @@ class _Routes:
         try:
             body = await self._body(request)
             model = self.core.serving(*_name_version(request))
-            parsed = decode_request(body, request.headers.get(HEADER_LENGTH))
+            parsed = decode_request(body, request.headers.get(HEADER_LENGTH), self.core.shared_memory)
         except ServingError as exc:
             if self.metrics is not None:
                 self.metrics.record_refused("rest", exc.reason)
             raise
         outputs = await model.infer(parsed.inputs, parsed.requested, parsed.timeout_s, parsed.priority)
         content, header_length = encode_response(model.name, model.version, parsed.id, outputs,
-                                                 parsed.binary_outputs)
+                                                 parsed.binary_outputs, parsed.output_regions, self.core.shared_memory)
         if header_length is None:
             return Response(content, media_type="application/json")
         return Response(content, media_type="application/octet-stream",
@@ -262,6 +264,31 @@ class _Routes:
         if not isinstance(data, dict):
             raise InvalidInput(f"request body must be a JSON object, got {type(data).__name__}")
         return data
+
+    def _shared_memory(self):
+        if self.core.shared_memory is None:
+            raise Unavailable("system shared memory is disabled on this server (sixfold-serve --no-shared-memory)")
+        return self.core.shared_memory
+
+    @_rest_errors
+    async def shm_status(self, request: Request) -> Response:
+        regions = self._shared_memory().status(request.path_params.get("region", ""))
+        return _json([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions])
+
+    @_rest_errors
+    async def shm_register(self, request: Request) -> Response:
+        body = await self._json_body(request)
+        key = body.get("key")
+        if not isinstance(key, str):
+            raise InvalidInput(f"register: 'key' must be a string, got {key!r}")
+        self._shared_memory().register(request.path_params["region"], key, body.get("offset", 0),
+                                       body.get("byte_size"))
+        return Response(status_code=200)
+
+    @_rest_errors
+    async def shm_unregister(self, request: Request) -> Response:
+        self._shared_memory().unregister(request.path_params.get("region", ""))
+        return Response(status_code=200)
 
     @_rest_errors
     async def repository_index(self, request: Request) -> Response:
@@ -314,7 +341,12 @@ def build_app(core: InferenceCore, *, max_body_bytes: int = 1 << 30, control_tok
               Route("/v2/models/stats", r.statistics),
               Route("/v2/repository/index", r.repository_index, methods=["POST"]),
               Route("/v2/repository/models/{name}/load", r.load, methods=["POST"]),
-              Route("/v2/repository/models/{name}/unload", r.unload, methods=["POST"])]
+              Route("/v2/repository/models/{name}/unload", r.unload, methods=["POST"]),
+              Route("/v2/systemsharedmemory/status", r.shm_status),
+              Route("/v2/systemsharedmemory/region/{region}/status", r.shm_status),
+              Route("/v2/systemsharedmemory/region/{region}/register", r.shm_register, methods=["POST"]),
+              Route("/v2/systemsharedmemory/unregister", r.shm_unregister, methods=["POST"]),
+              Route("/v2/systemsharedmemory/region/{region}/unregister", r.shm_unregister, methods=["POST"])]
     for base in versioned:
         routes += [Route(base, r.model_metadata), Route(base + "/ready", r.model_ready),
                    Route(base + "/config", r.model_config), Route(base + "/stats", r.statistics),

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .codec import DTYPES, datatype_of
+from .codec import DTYPES, SharedMemoryRef, datatype_of
 from .errors import InvalidInput
+from .shared_memory import SharedMemoryRegistry
 
 __all__ = ["HEADER_LENGTH", "RestRequest", "decode_request", "encode_response", "dumps"]
 
@@ -44,6 +45,8 @@ class RestRequest:
     priority: int = 0
     binary_outputs: set[str] | bool = False
     """Output names to send as binary data, or True/False for every output."""
+    output_regions: dict[str, SharedMemoryRef] | None = None
+    """Outputs to write into shared memory regions (server.shared_memory), by name."""
 
 
 def dumps(obj: Any) -> bytes:
@@ -120,7 +123,21 @@ def _from_json(name: str, datatype: str, dtype: np.dtype, shape: list[int], data
     return parsed.astype(dtype, copy=False).reshape(shape)
 
 
-def _inputs(header: dict, binary: memoryview) -> dict[str, np.ndarray]:
+def _shared_memory_ref(parameters: Mapping[str, Any], what: str) -> SharedMemoryRef | None:
+    """(region, offset, byte size) when the tensor's parameters name a shared memory region."""
+    if "shared_memory_region" not in parameters:
+        return None
+    region = parameters["shared_memory_region"]
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{what}: parameter 'shared_memory_region' must be a region name, got {region!r}")
+    byte_size = _int_parameter(parameters, "shared_memory_byte_size", "bytes in the region")
+    if byte_size is None:
+        raise InvalidInput(f"{what}: parameter 'shared_memory_byte_size' is missing beside 'shared_memory_region'")
+    return region, _int_parameter(parameters, "shared_memory_offset", "bytes into the region") or 0, byte_size
+
+
+def _inputs(header: dict, binary: memoryview,
+            shared_memory: SharedMemoryRegistry | None) -> dict[str, np.ndarray]:
     tensors = header.get("inputs")
     if not isinstance(tensors, list) or not tensors:
         raise InvalidInput("request body: 'inputs' must be a non-empty list of tensors")
@@ -139,6 +156,10 @@ def _inputs(header: dict, binary: memoryview) -> dict[str, np.ndarray]:
             raise InvalidInput(f"input '{name}': unsupported datatype '{datatype}'; supported: {', '.join(DTYPES)}")
         shape = _shape(tensor, name)
         parameters = _object(tensor.get("parameters", {}), f"input '{name}': 'parameters'")
+        ref = _shared_memory_ref(parameters, f"input '{name}'")
+        if ref is not None:
+            arrays[name] = _from_region(name, datatype, dtype, shape, ref, shared_memory)
+            continue
         size = _int_parameter(parameters, "binary_data_size", "bytes of binary data")
         if size is None:
             if "data" not in tensor:
@@ -160,31 +181,54 @@ def _inputs(header: dict, binary: memoryview) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _outputs(header: dict, binary_default: bool) -> tuple[list[str], set[str] | bool]:
+def _from_region(name: str, datatype: str, dtype: np.dtype, shape: list[int], ref: SharedMemoryRef,
+                 shared_memory: SharedMemoryRegistry | None) -> np.ndarray:
+    what = f"input '{name}'"
+    if shared_memory is None:
+        raise InvalidInput(f"{what}: this server does not accept shared memory inputs")
+    region, offset, byte_size = ref
+    need = math.prod(shape) * dtype.itemsize
+    if byte_size != need:
+        raise InvalidInput(f"{what}: shared_memory_byte_size is {byte_size} but shape {shape} of {datatype} "
+                           f"needs {need}")
+    return np.ndarray(tuple(shape), dtype, shared_memory.read(region, offset, byte_size, what=what))
+
+
+def _outputs(header: dict, binary_default: bool, shared_memory: SharedMemoryRegistry | None
+             ) -> tuple[list[str], set[str] | bool, dict[str, SharedMemoryRef] | None]:
     outputs = header.get("outputs")
     if outputs is None:
-        return [], binary_default
+        return [], binary_default, None
     if not isinstance(outputs, list):
         raise InvalidInput(f"request body: 'outputs' must be a list, got {type(outputs).__name__}")
     names: list[str] = []
     binary: set[str] = set()
+    regions: dict[str, SharedMemoryRef] = {}
     for i, output in enumerate(outputs):
         output = _object(output, f"outputs[{i}]")
         name = output.get("name")
         if not isinstance(name, str):
             raise InvalidInput(f"outputs[{i}]: 'name' must be a string, got {name!r}")
         parameters = _object(output.get("parameters", {}), f"output '{name}': 'parameters'")
+        ref = _shared_memory_ref(parameters, f"output '{name}'")
+        if ref is not None:
+            if shared_memory is None:
+                raise InvalidInput(f"output '{name}': this server does not accept shared memory outputs")
+            shared_memory.check(*ref, what=f"output '{name}'")
+            regions[name] = ref
         wanted = parameters.get("binary_data", binary_default)
         if not isinstance(wanted, bool):
             raise InvalidInput(f"output '{name}': parameter 'binary_data' must be true or false, got {wanted!r}")
         names.append(name)
         if wanted:
             binary.add(name)
-    return names, binary
+    return names, binary, regions or None
 
 
-def decode_request(body: bytes, header_length: str | None = None) -> RestRequest:
-    """Parse an infer request body (``header_length``: the Inference-Header-Content-Length value)."""
+def decode_request(body: bytes, header_length: str | None = None,
+                   shared_memory: SharedMemoryRegistry | None = None) -> RestRequest:
+    """Parse an infer request body (``header_length``: the Inference-Header-Content-Length value;
+    ``shared_memory``: the server's regions, None to refuse tensors in shared memory)."""
     header, binary = _header(body, header_length)
     parameters = _object(header.get("parameters", {}), "request 'parameters'")
     binary_default = parameters.get("binary_data_output", False)
@@ -195,20 +239,31 @@ def decode_request(body: bytes, header_length: str | None = None) -> RestRequest
         raise InvalidInput(f"request 'id' must be a string, got {request_id!r}")
     timeout_us = _int_parameter(parameters, "timeout", "microseconds")
     priority = _int_parameter(parameters, "priority", "1 = highest level, 0 = default level")
-    requested, binary_outputs = _outputs(header, binary_default)
-    return RestRequest(inputs=_inputs(header, binary), requested=requested, id=request_id,
+    requested, binary_outputs, regions = _outputs(header, binary_default, shared_memory)
+    return RestRequest(inputs=_inputs(header, binary, shared_memory), requested=requested, id=request_id,
                        timeout_s=timeout_us / 1e6 if timeout_us else None, priority=priority or 0,
-                       binary_outputs=binary_outputs)
+                       binary_outputs=binary_outputs, output_regions=regions)
 
 
 def encode_response(model: str, version: str, request_id: str, outputs: Mapping[str, np.ndarray],
-                    binary: set[str] | bool) -> tuple[bytes, int | None]:
-    """The response body and, when it carries binary outputs, the length of its JSON header."""
+                    binary: set[str] | bool, regions: Mapping[str, SharedMemoryRef] | None = None,
+                    shared_memory: SharedMemoryRegistry | None = None) -> tuple[bytes, int | None]:
+    """The response body and, when it carries binary outputs, the length of its JSON header.
+    Outputs named in ``regions`` are written into their shared memory region, not the body."""
     tensors = []
     chunks: list[bytes] = []
     for name, array in outputs.items():
         tensor: dict[str, Any] = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
-        if binary is True or (binary is not False and name in binary):
+        ref = regions.get(name) if regions else None
+        if ref is not None:
+            assert shared_memory is not None
+            region, offset, byte_size = ref
+            shared_memory.write(region, offset, byte_size, np.ascontiguousarray(array).data.cast("B"),
+                                what=f"output '{name}'")
+            tensor["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": array.nbytes}
+            if offset:
+                tensor["parameters"]["shared_memory_offset"] = offset
+        elif binary is True or (binary is not False and name in binary):
             data = np.ascontiguousarray(array).tobytes()
             tensor["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)

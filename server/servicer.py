@@ -18,7 +18,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from . import __version__, deltas
 from .metrics import ServerMetrics
-from .codec import decode_inputs, encode_response, request_priority, request_timeout, requested_outputs
+from .codec import (decode_inputs, encode_response, output_regions, request_priority, request_timeout,
+                    requested_outputs)
 from .core import InferenceCore
 from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from .model import ServedModel
@@ -98,6 +99,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_grpc_errors
     async def ServerMetadata(self, request, context):
         extensions = ["model_configuration", "statistics"]
+        if self.core.shared_memory is not None:
+            extensions.append("system_shared_memory")
         if self.core.control is not None:
             extensions.append("model_repository")
         return service_pb2.ServerMetadataResponse(name="sixfold", version=__version__, extensions=extensions)
@@ -165,6 +168,29 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._control(context, changes=True).unload(request.model_name)
         return service_pb2.RepositoryModelUnloadResponse()
 
+    def _shared_memory(self):
+        if self.core.shared_memory is None:
+            raise Unavailable("system shared memory is disabled on this server (sixfold-serve --no-shared-memory)")
+        return self.core.shared_memory
+
+    @_grpc_errors
+    async def SystemSharedMemoryRegister(self, request, context):
+        self._shared_memory().register(request.name, request.key, request.offset, request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    @_grpc_errors
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self._shared_memory().unregister(request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    @_grpc_errors
+    async def SystemSharedMemoryStatus(self, request, context):
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for region in self._shared_memory().status(request.name):
+            response.regions[region.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
+        return response
+
     @_grpc_errors
     def ModelInfer(self, request, context):
         # NOTE: not a coroutine of its own: it hands _answer's to the error wrapper, one frame fewer
@@ -174,15 +200,17 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _answer(self, request: service_pb2.ModelInferRequest,
                       timeout_s: float | None) -> service_pb2.ModelInferResponse:
         """protobuf in -> core -> protobuf out: the one inference path of unary and streaming calls."""
+        shared_memory = self.core.shared_memory
         try:
             model = self.core.serving(request.model_name, request.model_version)
-            inputs = decode_inputs(request)
+            inputs = decode_inputs(request, shared_memory)
+            regions = output_regions(request, shared_memory) if request.outputs else None
         except ServingError as exc:
             if self.metrics is not None:
                 self.metrics.record_refused("grpc", exc.reason)
             raise
         outputs = await model.infer(inputs, requested_outputs(request), timeout_s, request_priority(request))
-        return encode_response(model.name, model.version, request.id, outputs)
+        return encode_response(model.name, model.version, request.id, outputs, regions, shared_memory)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Bidirectional stream: each request is answered as soon as it completes (ids tell
