@@ -82,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop: keep N requests outstanding for --duration (or --max-requests); "
                         "with --mlperf-scenario offline: requests outstanding (default 8)")
-    p.add_argument("--client", choices=("raw", "tritonclient"), default="raw",
+    p.add_argument("--client", choices=("raw", "tritonclient", "shm"), default="raw",
                    help="raw: requests pre-serialized, sent on a gRPC channel (default); "
-                        "tritonclient: every request through InferenceServerClient.infer")
+                        "tritonclient: every request through InferenceServerClient.infer; "
+                        "shm: a server on this host reads each query's tensors from a shared memory segment "
+                        "(Triton's system shared memory extension), so only a small request crosses the socket")
     p.add_argument("--lag-threshold-ms", type=float, default=5.0,
                    help="a send later than this counts as the generator falling behind (default 5)")
     search = p.add_argument_group("find-max-qps (highest QPS whose p99 meets a target)")

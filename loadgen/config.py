@@ -86,9 +86,10 @@ class LoadConfig:
     """Write what was sent, when, and what came back to this ``.npz`` (see loadgen.recording)."""
     replay_path: str | None = None
     """Send the schedule and tensors of a recorded run instead of drawing new ones."""
-    client: Literal["raw", "tritonclient"] = "raw"
+    client: Literal["raw", "tritonclient", "shm"] = "raw"
     """``raw``: requests serialized once before the clock starts, sent on a gRPC channel;
-    ``tritonclient``: every request goes through ``InferenceServerClient.infer``."""
+    ``tritonclient``: every request goes through ``InferenceServerClient.infer``; ``shm``: as
+    ``raw``, with the tensors in shared memory segments registered with a server on this host."""
     lag_threshold_ms: float = 5.0
     """A send later than this after its scheduled time counts as the generator falling behind."""
 
@@ -117,8 +118,8 @@ class LoadConfig:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         if self.dense_dim is not None and self.dense_dim < 1:
             raise ValueError(f"dense_dim must be >= 1, got {self.dense_dim}")
-        if self.client not in ("raw", "tritonclient"):
-            raise ValueError(f"bad client {self.client!r}: expected 'raw' or 'tritonclient'")
+        if self.client not in ("raw", "tritonclient", "shm"):
+            raise ValueError(f"bad client {self.client!r}: expected 'raw', 'tritonclient' or 'shm'")
         if self.replay_path is None:
             parse_query_sizes(self.query_size)
         if self.concurrency is not None or self.replay_path is not None:

@@ -10,6 +10,10 @@ Two clients, both KServe v2 over gRPC:
 - ``tritonclient``: every send goes through
   ``tritonclient.grpc.aio.InferenceServerClient.infer`` with pre-built
   ``InferInput`` objects, exactly as a user of the stock client would.
+- ``shm`` (a server on the same host): each pooled query's tensors are written
+  once into a POSIX shared memory segment registered with the server (Triton's
+  system shared memory extension); a send is a small pre-serialized request
+  that names the region, so the ids never cross the socket.
 
 Either way a failed request raises ``RequestFailed`` with a short reason
 (the gRPC status name, lower case, or ``bad_output``).
@@ -18,21 +22,27 @@ Either way a failed request raises ``RequestFailed`` with a short reason
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import uuid
 from collections.abc import Mapping
+from multiprocessing import shared_memory
 from typing import Any, Protocol
 
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as tritonaio
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from models.signature import SCORES
 
 from .errors import LoadgenError
 
-__all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "make_transport",
-           "DATATYPES", "CHANNEL_OPTIONS", "make_client"]
+__all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "SharedMemoryTransport",
+           "make_transport", "DATATYPES", "CHANNEL_OPTIONS", "make_client", "CLIENTS"]
+
+CLIENTS = ("raw", "tritonclient", "shm")
+"""The transports ``make_transport`` builds (``LoadConfig.client``, ``sixfold-loadgen --client``)."""
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
 CHANNEL_OPTIONS = [
@@ -123,6 +133,60 @@ class RawGrpcTransport:
         await self._channel.close()
 
 
+class SharedMemoryTransport(RawGrpcTransport):
+    """Raw gRPC calls whose inputs live in shared memory segments the server maps (module docstring).
+
+    One segment per pooled query, made and registered in ``prepare`` (before the clock starts),
+    unregistered and unlinked in ``close``. The segments are the stdlib's, so the process's
+    resource tracker unlinks them even if loadgen dies without closing.
+    """
+
+    def __init__(self, url: str, model: str, version: str = "") -> None:
+        super().__init__(url, model, version)
+        self._control = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._control)
+        self._segments: list[shared_memory.SharedMemory] = []
+        self._tag = uuid.uuid4().hex[:8]
+
+    def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
+        arrays = {name: np.ascontiguousarray(array) for name, array in request.items()}
+        name = f"sixfold-loadgen-{self._tag}-{len(self._segments)}"
+        segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, sum(a.nbytes for a in arrays.values())))
+        self._segments.append(segment)
+        message = service_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
+        offset = 0
+        for input_name, array in arrays.items():
+            np.ndarray(array.shape, array.dtype, segment.buf, offset)[...] = array
+            tensor = message.inputs.add(name=input_name, datatype=DATATYPES[array.dtype], shape=list(array.shape))
+            tensor.parameters["shared_memory_region"].string_param = name
+            tensor.parameters["shared_memory_byte_size"].int64_param = array.nbytes
+            tensor.parameters["shared_memory_offset"].int64_param = offset
+            offset += array.nbytes
+        try:
+            self._stub.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(
+                name=name, key=f"/{segment.name}", offset=0, byte_size=segment.size), timeout=30)
+        except grpc.RpcError as exc:
+            raise LoadgenError(f"the server at {self.url} refused shared memory segment /{segment.name} "
+                               f"({exc.code().name}: {exc.details()}); --client shm needs a sixfold or Triton "
+                               "server on this host with system shared memory on") from None
+        message.outputs.add(name=SCORES)
+        return message.SerializeToString()
+
+    async def close(self) -> None:
+        try:
+            for segment in self._segments:
+                with contextlib.suppress(grpc.RpcError):
+                    self._stub.SystemSharedMemoryUnregister(
+                        service_pb2.SystemSharedMemoryUnregisterRequest(name=segment.name.lstrip("/")), timeout=5)
+        finally:
+            for segment in self._segments:
+                segment.close()
+                segment.unlink()
+            self._segments.clear()
+            self._control.close()
+            await super().close()
+
+
 class TritonClientTransport:
     """Every request through the stock ``InferenceServerClient.infer`` (see module docstring)."""
 
@@ -169,4 +233,6 @@ def make_transport(kind: str, url: str, client: tritonaio.InferenceServerClient,
         return RawGrpcTransport(url, model, version)
     if kind == "tritonclient":
         return TritonClientTransport(client, model, version)
-    raise ValueError(f"bad client {kind!r}: expected 'raw' or 'tritonclient'")
+    if kind == "shm":
+        return SharedMemoryTransport(url, model, version)
+    raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")

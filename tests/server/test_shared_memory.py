@@ -248,3 +248,18 @@ def test_grpc_status_code_of_unknown_region_is_invalid_argument(grpc_client, que
     with pytest.raises(InferenceServerException) as info:
         grpc_client.infer("rm2", _inputs(tc, query, "never"))
     assert info.value.status() == f"StatusCode.{grpc.StatusCode.INVALID_ARGUMENT.name}"
+
+
+# --- sixfold-loadgen --client shm -----------------------------------------------------------------
+
+async def test_loadgen_shm_client_serves_a_run_from_segments_and_leaves_none_behind(served_rm2):
+    from loadgen import LoadConfig, run_load_async
+
+    before = {p.name for p in SHM_ROOT.glob("sixfold-loadgen-*")}
+    config = LoadConfig(url=served_rm2.url, model="rm2", qps=20.0, duration_s=1.5, query_size="mlperf",
+                        wait_ready_s=10.0, drain_timeout_s=10.0, pool=6, client="shm", arrival="constant")
+    report = await run_load_async(config)
+    assert report.requests["sent"] == report.requests["ok"] == 30, report.errors_by_reason
+    assert {p.name for p in SHM_ROOT.glob("sixfold-loadgen-*")} == before  # unlinked
+    with contextlib.closing(tc.InferenceServerClient(served_rm2.url)) as client:
+        assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}  # unregistered
