@@ -90,7 +90,7 @@ if str(ROOT) not in sys.path:
 import models  # noqa: E402
 from bench._common import machine_line, write_section  # noqa: E402
 from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
-from loadgen.transport import DATATYPES, make_client  # noqa: E402
+from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client  # noqa: E402
 from loadgen.ideal import ideal_max_qps  # noqa: E402
 from models.requests import MLPERF_QUANTILES, MLPerfQuerySizes  # noqa: E402
 
@@ -101,15 +101,16 @@ LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so th
 IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
-SERVERS = ("sixfold", "sixfold-nobatch", "sixfold-before", "mlserver")
+SERVERS = ("sixfold", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "mlserver")
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
          "sixfold": "sixfold (default batching)",
+         "sixfold-shm": "sixfold (default batching), inputs in system shared memory (`--client shm`)",
          "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching",
          "sixfold-before": "sixfold at --baseline-tree (default batching)"}
 USUAL_ORDER = ("dense_features", "sparse_lengths", "sparse_indices")  # loadgen's (RequestGenerator.make)
 DENSE_LAST = ("sparse_indices", "sparse_lengths", "dense_features")  # the one MLServer's batching answers
-WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
+WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
               "mlserver": DENSE_LAST}
 MLSERVER_PYTHON = ROOT / ".venv-mlserver" / "bin" / "python"
 GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
@@ -286,6 +287,11 @@ def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
         runner.make_transport = original
 
 
+def _client(name: str) -> str:
+    """The loadgen transport a server is driven with: the shm variant sends tensors by region."""
+    return "shm" if name == "sixfold-shm" else "raw"
+
+
 def _load_config(url: str, model: str, cfg: models.ModelConfig, **kw: Any) -> LoadConfig:
     return LoadConfig(url=url, model=model, query_size="mlperf", table_rows=cfg.table_rows, pooling=cfg.pooling,
                       zipf=cfg.zipf, dense_dim=cfg.dense_dim, wait_ready_s=60.0, **kw)
@@ -335,11 +341,27 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
 
 
 async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order: tuple[str, ...],
-                       sizes: tuple[int, ...], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+                       sizes: tuple[int, ...], repeats: int, *, client: str = "raw"
+                       ) -> tuple[dict[int, float], dict[int, float]]:
     """Median and min ms of one query at a time, per size (after one untimed query of that size)."""
     import grpc
 
     out, fastest = {}, {}
+    if client == "shm":
+        transport = SharedMemoryTransport(url, model)
+        try:
+            for n in sizes:
+                payload = transport.prepare({k: v for k, v in gen.make(n).items()})
+                times = []
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    await transport.infer(payload, n)
+                    times.append(time.perf_counter() - t0)
+                out[n] = round(statistics.median(times[1:]) * 1e3, 1)
+                fastest[n] = round(min(times[1:]) * 1e3, 1)
+        finally:
+            await transport.close()
+        return out, fastest
     async with grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
                                    response_deserializer=None)
@@ -356,10 +378,10 @@ async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order
 
 
 async def search(url: str, model: str, cfg: models.ModelConfig, args: argparse.Namespace, bound: float, *,
-                 lo: float, hi: float, seed: int, console: Any) -> dict[str, Any]:
+                 lo: float, hi: float, seed: int, console: Any, client: str = "raw") -> dict[str, Any]:
     """The find-max-qps search for one bound: the answer and its best step's figures."""
     config = _load_config(url, model, cfg, qps=lo, duration_s=args.step, warmup_s=args.warmup, seed=seed,
-                          drain_timeout_s=10.0)
+                          drain_timeout_s=10.0, client=client)
     sweep = SweepConfig(p99_ms=bound, min_qps=lo, max_qps=hi, floor_qps=min(FLOOR_QPS, lo),
                         step_duration_s=args.step, tolerance=args.tolerance, max_steps=args.max_steps, settle_s=2.0)
     report = await find_max_qps_async(config, sweep, console=console)
@@ -420,7 +442,7 @@ def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
     if name == "sixfold-before":
         return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree)
-    return sixfold_server(model, args.max_rows, args.cards, batching=name == "sixfold")
+    return sixfold_server(model, args.max_rows, args.cards, batching=name in ("sixfold", "sixfold-shm"))
 
 
 def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cfg: models.ModelConfig,
@@ -444,11 +466,13 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         log(f"{tag}: answers {entry['answers']}")
         gen = models.RequestGenerator.for_config(cfg, seed=13)
         entry["idle_ms"], entry["idle_ms_min"] = asyncio.run(idle_latency(
-            url, model, gen, order, (int(MEAN_QUERY_ITEMS), LARGEST_QUERY), args.idle_repeats))
+            url, model, gen, order, (int(MEAN_QUERY_ITEMS), LARGEST_QUERY), args.idle_repeats,
+            client=_client(name)))
         log(f"{tag}: idle latency (ms by items) median {entry['idle_ms']}, min {entry['idle_ms_min']}")
         with inputs_in_order(order):
             warm = asyncio.run(run_load_async(_load_config(url, model, cfg, qps=0, duration_s=args.warmup_run,
-                                                           concurrency=2, seed=1000 * run + 500)))
+                                                           concurrency=2, seed=1000 * run + 500,
+                                                           client=_client(name))))
             entry["closed_loop_qps"] = round(float(warm.achieved_qps), 2)
             # The search starts at a quarter of what 2 outstanding queries get: a rate near the answer for
             # the looser bound, whatever the (noisy) offline figure was.
@@ -462,7 +486,7 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
                         f"{entry['idle_ms_min'][LARGEST_QUERY]:g} ms at best")
                     continue
                 result = asyncio.run(search(url, model, cfg, args, bound, lo=start, hi=hi, seed=1000 * run,
-                                            console=console))
+                                            console=console, client=_client(name)))
                 entry["bounds"][bound] = result
                 start = max(start, result["max_qps"] or 0.0)  # passes a looser bound too: start there
                 log(f"{tag}: p99 <= {bound:g} ms: max {_qps(result)} q/s")
@@ -484,6 +508,7 @@ def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> d
     hi = round(offline["qps"] * 4, 2)
     names = [s for s in SERVERS if not ((s == "mlserver" and args.skip_mlserver)
                                         or (s == "sixfold-nobatch" and args.skip_nobatch)
+                                        or (s == "sixfold-shm" and args.skip_shm)
                                         or (s == "sixfold-before" and not args.baseline_tree))]
     k = run % len(names)
     run_order = names[k:] + names[:k]
@@ -588,7 +613,8 @@ def _median_entry(entries: list[dict[str, Any]], bound: float) -> dict[str, Any]
 
 RATIOS = (("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
           ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"),
-          ("sixfold-before", "ideal"), ("sixfold", "sixfold-before"))
+          ("sixfold-before", "ideal"), ("sixfold", "sixfold-before"), ("sixfold-shm", "ideal"),
+          ("sixfold-shm", "sixfold"))
 
 
 def ideal_qps(offline: dict[str, Any], bound: float) -> float:
@@ -672,8 +698,9 @@ def format_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {model} | {LABEL[name]} | {idle} | {' | '.join(cells)} | {_answers(e)} |")
     lines += ["", "| model | p99 bound | sixfold / no batching | sixfold / MLServer (goal >= 3) "
               "| sixfold / offline (goal >= 0.7) | sixfold / ideal server | MLServer / offline "
-              "| no batching / offline | baseline tree / ideal server | sixfold / baseline tree |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| no batching / offline | baseline tree / ideal server | sixfold / baseline tree "
+              "| sixfold over shm / ideal server | sixfold over shm / over gRPC bytes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, s in summary.items():
         for b in bounds:
             r = s["ratios"][b]
@@ -784,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="offline batch sizes in items (default 64,128,256,512,1024,2048)")
     p.add_argument("--skip-mlserver", action="store_true", help="leave MLServer out")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
+    p.add_argument("--skip-shm", action="store_true",
+                   help="leave out sixfold driven through system shared memory (loadgen --client shm)")
     p.add_argument("--baseline-tree", metavar="DIR",
                    help="also serve with the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`), first on "
                         "PYTHONPATH with this venv: 'sixfold-before', in the same rotated runs as 'sixfold'")

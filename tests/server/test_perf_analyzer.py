@@ -30,14 +30,16 @@ def perf_analyzer() -> Path:
     return SCRIPT
 
 
-def test_perf_analyzer_with_real_tensors(perf_analyzer, served_rm2, tmp_path) -> None:
+@pytest.mark.parametrize("shared_memory", ["none", "system"])
+def test_perf_analyzer_with_real_tensors(perf_analyzer, served_rm2, tmp_path, shared_memory) -> None:
     gen = models.RequestGenerator.for_config(models.get_config("rm2", max_rows=MAX_ROWS), seed=5)
     input_data, count = write_perf_analyzer_json((gen.make(items) for items in (1, 16, 120)),
                                                  tmp_path / "input.json")
     assert count == 3
     cmd = [str(perf_analyzer), "-m", "rm2", "-i", "grpc", "-u", served_rm2.url, "--input-data", str(input_data),
            "--concurrency-range", "1:2", "--measurement-interval", "1500", "--stability-percentage", "999",
-           "--max-trials", "6"]  # NOTE: loose stability: a busy machine must not fail a protocol test
+           "--max-trials", "6",  # NOTE: loose stability: a busy machine must not fail a protocol test
+           "--shared-memory", shared_memory, "--output-shared-memory-size", "4096"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
