@@ -18,6 +18,7 @@ and prints p50/p99 of each stage, per request:
 
     .venv/bin/python bench/latency_breakdown.py --model dlrm-mlperf --qps 5,15,25 --duration 15
     .venv/bin/python bench/latency_breakdown.py --model rm2 --qps 5,10 -- --max-batch-rows 1
+    .venv/bin/python bench/latency_breakdown.py --model rm2 --qps 24 --client shm   # ids by shared memory
 
 With ``--timeline PNG`` it also draws, for the last rate, every request within ``--window-ms`` of
 the slowest one (after the warmup): one bar per request, coloured by stage, so a burst shows as the
@@ -69,9 +70,9 @@ def traced_serve(argv: list[str], out: str) -> int:
     orig_infer = cls.infer
     current: dict[int, dict[str, float]] = {}
 
-    def decode(request):  # noqa: ANN001
+    def decode(request, *a, **k):  # noqa: ANN001, ANN002, ANN003
         t0 = time.perf_counter()
-        inputs = orig_decode(request)
+        inputs = orig_decode(request, *a, **k)
         t1 = time.perf_counter()
         current[id(inputs)] = {"t0": t0, "decoded": t1}
         return inputs
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--client", choices=("raw", "shm"), default="raw",
+                   help="loadgen's transport: raw gRPC bytes (default) or tensors in system shared memory")
     p.add_argument("--tree", action="append", default=[], metavar="DIR",
                    help="also serve the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`); repeatable; "
                         "'.' is this tree. With --rounds, the trees alternate at each rate, order rotated per round")
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"server did not start: {proc.poll()}")
         load_before = os.getloadavg()[0]
         config = _load_config(url, args.model, cfg, qps=qps, duration_s=args.duration, warmup_s=args.warmup,
-                              seed=args.seed, drain_timeout_s=10.0)
+                              seed=args.seed, drain_timeout_s=10.0, client=args.client)
         report = asyncio.run(run_load_async(config))
         load_after = os.getloadavg()[0]
         proc.send_signal(signal.SIGUSR1)
