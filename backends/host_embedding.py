@@ -567,8 +567,9 @@ def _kernel(precision: str, weight: Any, rows: Any, offsets: Any) -> Any:
 def _tiered_bag(group: _Group, rows: Any, offsets: Any) -> Any:
     """``_kernel`` over a tiered group: the cache answers each id's row position, the kernel runs on the cache.
 
-    A run of bags with more distinct misses than the store stages is looked up in halves
-    (each bag whole, so every bag sums its rows in the same order as a resident weight).
+    A batch with more distinct misses than the store stages is looked up in runs of bags
+    (``_tiered_halves``), under the store's lock from the first run to the last, so that each
+    distinct missed row is read from disk once (``TieredRows.begin_split``).
     """
     import torch
 
@@ -582,15 +583,42 @@ def _tiered_bag(group: _Group, rows: Any, offsets: Any) -> Any:
             positions = None
         if positions is not None:
             return _kernel(group.precision, group.weight, torch.from_numpy(positions), offsets)
+        store.begin_split(rows.numpy())
+        try:
+            return _tiered_halves(group, rows, offsets, 0)
+        finally:
+            store.end_split()
+
+
+def _tiered_halves(group: _Group, rows: Any, offsets: Any, start: int) -> Any:
+    """The bags of a split batch whose ids begin at ``start`` (too many misses at once), looked up in two halves.
+
+    Each bag stays whole, so every bag sums its rows in the same order as a resident weight.
+    """
+    import torch
+
     bags = offsets.shape[0]
     if bags <= 1:
         raise BackendError(f"one bag of {rows.shape[0]} ids reads more distinct rows than the table memory "
-                           f"stages ({store.staging_rows} rows); raise the table memory")
+                           f"stages ({group.store.staging_rows} rows); raise the table memory")
     mid = bags // 2
     cut = int(offsets[mid])
-    first = _tiered_bag(group, rows[:cut], offsets[:mid])
-    second = _tiered_bag(group, rows[cut:], offsets[mid:] - cut)
+    first = _tiered_run(group, rows[:cut], offsets[:mid], start)
+    second = _tiered_run(group, rows[cut:], offsets[mid:] - cut, start + cut)
     return torch.cat([first, second])
+
+
+def _tiered_run(group: _Group, rows: Any, offsets: Any, start: int) -> Any:
+    """One run of a split batch: looked up and summed now (the next run reuses the staging rows), or halved."""
+    import torch
+
+    from .table_store import TooManyMisses
+
+    try:
+        positions = group.store.lookup(rows.numpy(), start=start)
+    except TooManyMisses:
+        return _tiered_halves(group, rows, offsets, start)
+    return _kernel(group.precision, group.weight, torch.from_numpy(positions), offsets)
 
 
 def _adjacent_rows(parts: list[np.ndarray]) -> np.ndarray | None:

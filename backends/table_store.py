@@ -29,7 +29,11 @@ the row, its owner (8 B), a reference bit and a pin (5 B); the staging rows (a
 share of the budget, at least one item's ids); the sketch. A budget below the
 minimum (index + one item's ids staged + one way of slots) is refused with the
 numbers. A batch with more distinct misses than staging rows is split into
-smaller runs of bags by the caller (``TooManyMisses``).
+smaller runs of bags by the caller (``TooManyMisses``), all under the lock between
+``begin_split(rows)`` and ``end_split()``: the runs share one tick (what a run hits
+or admits stays pinned until the batch ends), and a missed row that a later run
+reads again is admitted whatever the policy says, so each distinct missed row of
+the batch is read from disk once (unless no unpinned slot is left to keep it in).
 
 Reads: files are opened with ``O_DIRECT`` where the file system allows it (no page
 cache: the budget is the memory), else buffered with ``POSIX_FADV_DONTNEED`` after
@@ -250,6 +254,8 @@ class TieredRows:
         self.tick = 0
         self.stats = CacheStats()
         self._logged = (0, 0, 0)  # batches, hits, misses when the hit rate was last logged
+        self._split: _Split | None = None
+        """A batch being looked up in runs (``begin_split``): its rows' last uses and the slots it admitted."""
         self.overlay: RowOverlay | None = None
         """Rows replaced by table deltas (``backends.row_updates``): read from the overlay, not the files."""
         self.lock = threading.Lock()
@@ -350,25 +356,65 @@ class TieredRows:
 
     # ---- one batch -----------------------------------------------------------------------------
 
-    def lookup(self, rows: np.ndarray) -> np.ndarray:
+    def begin_split(self, rows: np.ndarray) -> None:
+        """``rows`` (a whole batch) will be looked up in runs (``lookup(part, start=...)``); hold ``lock`` until ``end_split``.
+
+        Each distinct row the batch misses is then read once: a run's missed row that a later
+        run reads again is admitted (the policy is not asked) and, like every slot the batch
+        hits or fills, pinned until ``end_split``. Counters count ids as one unsplit batch
+        would: an id whose row an earlier run of the batch read is a miss, not a hit.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        n = rows.shape[0]
+        self.tick += 1
+        # Each id's row's last position in the batch, in O(ids) with the index as scratch (as lookup dedupes).
+        last = np.zeros(n, np.int64)
+        if n:
+            saved = self.index[rows]
+            positions = np.arange(n, dtype=np.int64)
+            self.index[rows] = -2 - positions.astype(np.int32)
+            rep = (-2 - self.index[rows]).astype(np.int64)  # one position per row, the same for all its ids
+            self.index[rows] = saved
+            np.maximum.at(last, rep, positions)
+            last = last[rep]
+        self._split = _Split(tick=self.tick, last=last, admitted=[])
+
+    def end_split(self) -> None:
+        """The batch ``begin_split`` started is done (one batch in the counters): its slots are no longer pinned."""
+        self._split = None
+        self.stats.batches += 1
+        if self.stats.batches - self._logged[0] >= LOG_EVERY_BATCHES:
+            self._log_hit_rate()
+
+    def lookup(self, rows: np.ndarray, *, start: int = 0) -> np.ndarray:
         """Row positions in ``data`` for ``rows`` (global rows of this weight). Hold ``lock`` until done with data.
 
+        ``start``: between ``begin_split`` and ``end_split``, where ``rows`` begin in that batch.
         Raises TooManyMisses (nothing changed) when the distinct misses exceed the staging rows,
         TableReadError when a read fails (the cache stays consistent; the batch fails).
         """
         rows = np.asarray(rows, dtype=np.int64)
         n = rows.shape[0]
-        self.tick += 1
-        tick = self.tick
+        split = self._split
+        if split is None:
+            self.tick += 1
+        tick = self.tick if split is None else split.tick
         slots = self.index[rows]
         miss = slots < 0
         m_rows = rows[miss]
         nm = int(m_rows.shape[0])
         out = slots.astype(np.int64)
+        again = 0  # hits on rows an earlier run of this split batch read: misses, as in the batch unsplit
+        if split is not None and split.admitted and nm < n:
+            again = int(np.isin(slots[~miss], np.concatenate(split.admitted)).sum())
         if nm == 0:
             self.ref[slots] = 1
-            self.stats.hits += n
-            self.stats.batches += 1
+            if split is not None:
+                self.pin[slots] = tick
+            else:
+                self.stats.batches += 1
+            self.stats.hits += n - again
+            self.stats.misses += again
             return out
         # Distinct misses in O(ids): each id writes its position into the index, the survivor
         # of each row is its representative. NOTE: the index holds -1 for every missing row and
@@ -388,17 +434,26 @@ class TieredRows:
         where = np.empty(u, np.int64)
         where[order] = np.arange(u)
         miss_pos = where[(np.cumsum(is_rep) - 1)[rep_of]]
+        keep = None
+        if split is not None:  # which distinct misses a later run of the batch reads again
+            end = start + n
+            first_pos = np.flatnonzero(miss)[is_rep]  # one id of each distinct miss, in uniq's former order
+            keep = np.empty(u, bool)
+            keep[where] = split.last[start + first_pos] >= end
         hit_slots = slots[~miss]
         self.ref[hit_slots] = 1
         self.pin[hit_slots] = tick
         staging = self.data[self.slots:self.slots + u]
         self._read(uniq, staging)
-        self.stats.hits += n - nm
-        self.stats.misses += nm
+        self.stats.hits += n - nm - again
+        self.stats.misses += nm + again
         self.stats.rows_read += u
-        self.stats.batches += 1
         out[miss] = self.slots + miss_pos
-        self._admit(uniq, staging, tick)
+        admitted = self._admit(uniq, staging, tick, keep)
+        if split is not None:
+            split.admitted.append(admitted)
+            return out
+        self.stats.batches += 1
         if self.stats.batches - self._logged[0] >= LOG_EVERY_BATCHES:
             self._log_hit_rate()
         return out
@@ -485,8 +540,11 @@ class TieredRows:
         self.stats.read_seconds += elapsed
         self.stats.read_buckets[bisect.bisect_left(READ_BUCKETS, elapsed)] += 1
 
-    def _admit(self, uniq: np.ndarray, staged: np.ndarray, tick: int) -> None:
-        """Put some of this batch's misses into cache slots (policy), evicting by CLOCK."""
+    def _admit(self, uniq: np.ndarray, staged: np.ndarray, tick: int, keep: np.ndarray | None = None) -> np.ndarray:
+        """Put some of this batch's misses into cache slots (policy), evicting by CLOCK; returns the slots filled.
+
+        ``keep``: misses to admit first whatever the policy says (a later run of a split batch reads them).
+        """
         candidates = np.arange(uniq.shape[0])
         if self.policy == "tinylfu" and self.sketch is not None:
             mask = self.sketch.shape[0] - 1
@@ -502,11 +560,13 @@ class TieredRows:
                 seen = candidates[counts >= 2]
                 fresh = candidates[counts < 2][:self.free]
                 candidates = np.concatenate([seen, fresh])
+        if keep is not None and keep.any():  # kept first (a later run reads them), then the policy's choice
+            candidates = np.concatenate([np.flatnonzero(keep), candidates[~keep[candidates]]])
         if candidates.shape[0] == 0:
-            return
+            return np.empty(0, np.int64)
         victims = self._victims(int(candidates.shape[0]), tick)
         if victims.shape[0] == 0:
-            return
+            return victims
         chosen = candidates[:victims.shape[0]]
         old = self.owner[victims]
         evicted = old[old >= 0]
@@ -518,6 +578,7 @@ class TieredRows:
         self.owner[victims] = rows
         self.ref[victims] = 0
         self.pin[victims] = tick
+        return victims
 
     def _victims(self, need: int, tick: int) -> np.ndarray:
         """Up to ``need`` slots by CLOCK: skip (and clear) referenced slots, never a pinned one."""
@@ -537,6 +598,18 @@ class TieredRows:
             scanned += end
             self.hand = (lo + end) % self.slots
         return np.concatenate(found) if found else np.empty(0, np.int64)
+
+
+@dataclass
+class _Split:
+    """A batch looked up in runs (``TieredRows.begin_split``)."""
+
+    tick: int
+    """The batch's one tick: every slot it hits or fills stays pinned until it ends."""
+    last: np.ndarray
+    """Per id of the batch, the last position in the batch of its row."""
+    admitted: list[np.ndarray]
+    """Slots each run filled (their rows were read by this batch)."""
 
 
 class RowOverlay:

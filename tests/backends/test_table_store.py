@@ -174,3 +174,57 @@ def test_warm_takes_rows_a_delta_replaced_from_the_overlay(tables: Path) -> None
     store.warm(rows)
     np.testing.assert_array_equal(store.data[store.index[rows]], values)
     tiered.close()
+
+
+def _global_rows(lengths: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    table = np.repeat(np.tile(np.arange(len(ROWS)), lengths.shape[0]), lengths.reshape(-1))
+    return ids.astype(np.int64) + np.cumsum((0,) + ROWS)[table]
+
+
+@pytest.mark.parametrize("precision,budget", [("fp32", 60_000), ("int8", 45_000)])
+@pytest.mark.parametrize("cache", ["cold", "warm", "full"])
+def test_a_split_batch_reads_each_missed_row_once(tables: Path, precision: str, budget: int, cache: str) -> None:
+    # ~66-98 staging rows, ~370-420 slots: the batch's ~180 distinct misses are looked up in runs of bags
+    resident = HostEmbeddingStage(tables, precision)
+    tiered = HostEmbeddingStage(tables, precision, table_memory=budget, item_ids=20)
+    store = tiered.stores[0]
+    if cache == "warm":  # some of the batch's rows cached
+        trace = _requests(3, seed=21, max_items=10)
+        tiered.warm(np.concatenate([r[0] for r in trace]), np.concatenate([r[1] for r in trace]))
+    elif cache == "full":  # every slot taken by other rows: the policy admits no first-time miss
+        store.warm(np.random.default_rng(2).permutation(store.total_rows))
+        assert store.cached_rows == store.slots
+    gen = RequestGenerator(ROWS, 4, (5, 5, 5, 5), zipf=1.05, seed=13)
+    lengths = gen.lengths(12)
+    ids = gen.ids(lengths)
+    rows = _global_rows(lengths, ids)
+    cached = tiered.cached(lengths, ids)
+    distinct_misses = np.unique(rows[~cached]).shape[0]
+    assert store.staging_rows < distinct_misses < store.slots // 2  # split, and every kept row fits
+    assert np.unique(rows).shape[0] < rows.shape[0]  # rows repeat across the runs
+    store.reset_stats()
+    np.testing.assert_array_equal(tiered.run_numpy(lengths, ids), resident.run_numpy(lengths, ids))
+    assert store.stats.rows_read == distinct_misses  # once each, read from the files on disk
+    # counted as the batch unsplit would be: every id of a row not cached before is a miss
+    assert (store.stats.hits, store.stats.misses, store.stats.batches) == (int(cached.sum()), int((~cached).sum()), 1)
+    # the next batch is normal again: nothing stays pinned, the index and the owners agree
+    for lengths, ids in _requests(5, seed=4, max_items=3):
+        np.testing.assert_array_equal(tiered.run_numpy(lengths, ids), resident.run_numpy(lengths, ids))
+    owners = store.owner[store.owner >= 0]
+    assert np.array_equal(store.index[owners], np.flatnonzero(store.owner >= 0))
+    assert (store.index >= 0).sum() == owners.shape[0]
+    tiered.close()
+
+
+def test_a_split_batch_too_big_to_keep_still_answers_exactly(tables: Path) -> None:
+    # 27 staging rows, ~146 slots: more distinct misses than the cache can keep; some rows are read again
+    resident = HostEmbeddingStage(tables)
+    tiered = HostEmbeddingStage(tables, table_memory=40_000, item_ids=20)
+    store = tiered.stores[0]
+    gen = RequestGenerator(ROWS, 4, (5, 5, 5, 5), zipf=1.05, seed=17)
+    lengths = gen.lengths(59)
+    ids = gen.ids(lengths)
+    assert np.unique(_global_rows(lengths, ids)).shape[0] > store.slots
+    np.testing.assert_array_equal(tiered.run_numpy(lengths, ids), resident.run_numpy(lengths, ids))
+    assert store.stats.misses == ids.shape[0] and store.stats.hits == 0 and store.stats.batches == 1
+    tiered.close()
