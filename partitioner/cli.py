@@ -206,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         measured = None
         if args.measure:
             from .measure import measure_plan
-            with console.status("calibrating this host and timing each stage of the plan..."):
+            with console.status("calibrating this host and timing each stage of the plan...") as status:
                 host_info = partitioned.plan.partition(HOST_PARTITION)
                 tables_dir = path.parent / host_info.artifact if host_info.format == "tables" else None
                 measured = measure_plan(partitioned, lambda host, card: _replan(args, partitioned.plan, host, card),
                                         calibrate_seconds=args.measure_seconds, seed=args.seed + 7,
-                                        tables_dir=tables_dir)
+                                        tables_dir=tables_dir, progress=lambda line: (
+                                            status.update(f"warming: {line}") if console.is_terminal
+                                            else err.print(f"warming: {line}", highlight=False, soft_wrap=True)))
     except (KeyError, ValueError, MemoryError, FileNotFoundError, RuntimeError) as exc:
         err.print(f"[red]sixfold-partition: {exc.args[0] if exc.args else exc}[/]")
         return 2

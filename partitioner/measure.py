@@ -19,11 +19,20 @@ bench/estimate_vs_measured.py, the zoo-wide version, for why).
 
 A plan priced with ``--table-memory`` (``PartitionPlan.tiers``) also gets its tiers measured
 (``measure_tiers``): for each budget the host stage is loaded from the written tables behind
-a row cache of that size (as ``sixfold-serve --table-memory`` loads it), the cache is warmed
-from ``warm_batches`` batches of the priced traffic (Zipf ``alpha``), then timed over
-distinct batches (a repeated batch would be all hits); the hit rate is counted over the timed
-batches. Estimate: this host's resident host-stage estimate plus the plan's read time at that
-budget (its disk spec); the hit rate is the plan's.
+a row cache of that size (as ``sixfold-serve --table-memory`` loads it), the cache is brought
+to its steady state (``warm_tier``), then timed over distinct batches (a repeated batch would
+be all hits); the hit rate is counted over the timed batches. Estimate: this host's resident
+host-stage estimate plus the plan's read time at that budget (its disk spec); the hit rate is
+the plan's, which prices a warm cache.
+
+Warming, in two steps, each until it stops changing (or ``warm_seconds`` runs out):
+
+1. rank: batches of the priced traffic (Zipf ``alpha``) are drawn, not served, in rounds, and
+   their ids counted, until a round adds < 0.5 point to the fill (rows the ranking would
+   cache / slots) and the ranking's hit rate on the next round moves < 0.5 point; the
+   cache is then loaded with the most counted rows in one pass (``HostEmbeddingStage.warm``);
+2. serve: rounds of ``warm_round`` batches are served through the cache (its own admission
+   and eviction take over) until a round's hit rate is within 1 point of the round before.
 """
 
 from __future__ import annotations
@@ -78,6 +87,15 @@ class TierMeasure:
     reads_per_batch: float
     """Distinct rows read from disk per timed batch (the plan estimates ``reads_per_batch`` too)."""
     estimate_reads: float
+    warm_ranked: int = 0
+    """Batches of traffic drawn (not served) to rank the rows the cache was loaded with."""
+    warm_served: int = 0
+    """Batches served through the cache after that, until its hit rate settled."""
+    warm_fill: float = 0.0
+    """Rows cached / cache slots when timing began."""
+    warm_seconds: float = 0.0
+    read_s: float = 0.0
+    """Disk read time per timed batch (the stores' own clock), the part of ``measured_s`` the reads took."""
 
     @property
     def hit_ratio(self) -> float:
@@ -132,14 +150,15 @@ def _time(run: Callable[[dict], Any], inputs: list[dict], runs: int) -> list[flo
 
 def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, DeviceSpec], PartitionedModel], *,
                  spec: DeviceSpec | None = None, calibrate_seconds: float = 3.0, runs: int = 5, batches: int = 5,
-                 seed: int = 7, tables_dir: str | Path | None = None, warm_batches: int = 20) -> MeasureReport:
+                 seed: int = 7, tables_dir: str | Path | None = None, warm_seconds: float = 120.0,
+                 progress: Callable[[str], None] | None = None) -> MeasureReport:
     """Estimate vs measured per stage of ``partitioned`` on this host (module docstring).
 
     ``replan(host_spec, card_spec)``: the same model planned for other specs
     (the estimate; it need not compile). ``spec``: this host's spec (default:
     calibrate it now, ``calibrate_seconds``). ``tables_dir``: the written
     ``tables/`` folder; with it, a plan carrying tier prices (``plan.tiers``) has
-    each priced table memory measured too (``measure_tiers``).
+    each priced table memory measured too (``measure_tiers``; ``warm_seconds``, ``progress``: its).
     """
     from backends import registry
 
@@ -181,7 +200,7 @@ def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, De
     if plan.tiers is not None and tables_dir is not None and HOST_PARTITION in est:
         resident = est[HOST_PARTITION][1] * plan.tiers.items / rows
         tiers, notes = measure_tiers(partitioned, tables_dir, spec, resident_s=resident, runs=runs, batches=batches,
-                                     warm_batches=warm_batches, seed=seed)
+                                     warm_seconds=warm_seconds, seed=seed, progress=progress)
     elif plan.tiers is not None:
         notes.append("table tiers not measured: no tables folder (write the artifacts: --out without --plan-only)")
     return MeasureReport(model=plan.model, batch_rows=rows, spec=spec.description, stages=stages, tiers=tiers,
@@ -189,12 +208,14 @@ def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, De
 
 
 def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: DeviceSpec, *, resident_s: float,
-                  runs: int = 5, batches: int = 5, warm_batches: int = 20,
-                  seed: int = 7) -> tuple[list[TierMeasure], list[str]]:
+                  runs: int = 5, batches: int = 5, warm_seconds: float = 120.0, warm_round: int = 20, seed: int = 7,
+                  progress: Callable[[str], None] | None = None) -> tuple[list[TierMeasure], list[str]]:
     """Each table memory priced in ``partitioned.plan.tiers``, measured (module docstring); and notes on any not.
 
     ``resident_s``: this host's estimate of the all-resident host stage per batch of
-    ``plan.tiers.items`` items (the estimate adds the plan's read time to it).
+    ``plan.tiers.items`` items (the estimate adds the plan's read time to it). ``warm_seconds``:
+    the most each budget's warming may take (``warm_tier``); ``progress``: called with a line
+    on each warming round.
     """
     import numpy as np
 
@@ -216,8 +237,6 @@ def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: D
                            fixed_pooling=base.fixed_pooling)
     keys = artifact.input_names
     make = lambda: {k: v for k, v in gen.make(pricing.items).items() if k in keys}  # noqa: E731
-    warm = [make() for _ in range(warm_batches)]
-    settle = [make() for _ in range(2)]
     timed = [[make() for _ in range(batches)] for _ in range(runs)]  # distinct: a repeat would be all hits
     pooling = plan.tables.get("pooling") or [1]
     out: list[TierMeasure] = []
@@ -233,10 +252,9 @@ def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: D
             continue
         try:
             stage = exe.stage
-            if warm:
-                stage.warm(np.concatenate([b[keys[0]] for b in warm]), np.concatenate([b[keys[1]] for b in warm]))
-            for b in settle:
-                exe.run(b)
+            say = (lambda line: progress(f"table memory {budget}: {line}")) if progress else None
+            warmed = warm_tier(exe, make, tuple(int(r) for r in base.table_rows), keys, seconds=warm_seconds,
+                               round_batches=warm_round, progress=say)
             for s in stage.stores:  # count the timed batches only
                 s.reset_stats()
             times = []
@@ -248,6 +266,7 @@ def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: D
             hits = sum(s.stats.hits for s in stage.stores)
             misses = sum(s.stats.misses for s in stage.stores)
             read = sum(s.stats.rows_read for s in stage.stores)
+            read_s = sum(s.stats.read_seconds for s in stage.stores)
         finally:
             exe.close()
         out.append(TierMeasure(budget=budget, budget_bytes=priced.budget_bytes, items=pricing.items,
@@ -255,8 +274,114 @@ def measure_tiers(partitioned: PartitionedModel, tables_dir: str | Path, spec: D
                                measured_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
                                estimate_s=resident_s + priced.read_seconds, measured_s=statistics.median(times),
                                best_s=min(times), reads_per_batch=read / (runs * batches),
-                               estimate_reads=priced.reads_per_batch))
+                               estimate_reads=priced.reads_per_batch, warm_ranked=warmed.ranked,
+                               warm_served=warmed.served, warm_fill=warmed.fill, warm_seconds=warmed.seconds,
+                               read_s=read_s / (runs * batches)))
     return out, notes
+
+
+@dataclass(frozen=True)
+class TierWarming:
+    """What ``warm_tier`` did."""
+
+    ranked: int
+    """Batches drawn (not served) to rank the rows."""
+    served: int
+    """Batches served through the cache afterwards."""
+    fill: float
+    """Rows cached / slots at the end."""
+    hit_rate: float
+    """The last served round's hit rate."""
+    seconds: float
+    settled: bool
+    """Both steps stopped because they stopped changing, not because time ran out."""
+
+
+def warm_tier(exe: Any, make: Callable[[], dict], table_rows: tuple[int, ...], keys: list[str] | tuple[str, ...], *,
+              seconds: float = 120.0, round_batches: int = 20, rank_round: int = 50, max_rank_rounds: int = 200,
+              progress: Callable[[str], None] | None = None) -> TierWarming:
+    """Bring a tiered host stage's row cache (``exe.stage``) to its steady state for ``make``'s traffic.
+
+    Rank, then serve, each until it stops changing (module docstring); ``seconds`` bounds both
+    (the serve step gets at least one round). ``keys``: the lengths and indices input names.
+    """
+    import numpy as np
+
+    stage = exe.stage
+    stores = stage.stores
+    slots = sum(s.slots for s in stores)
+    start = time.perf_counter()
+    if not stores:  # all rows resident: nothing to warm
+        return TierWarming(ranked=0, served=0, fill=1.0, hit_rate=1.0, seconds=0.0, settled=True)
+    deadline = start + seconds
+    first_row = np.cumsum((0,) + tuple(table_rows)).astype(np.int64)
+    tables = len(table_rows)
+    counts = np.zeros(int(first_row[-1]), np.int32)
+
+    def rows_of(batch: dict) -> np.ndarray:
+        lengths = np.asarray(batch[keys[0]]).reshape(-1)
+        table = np.repeat(np.tile(np.arange(tables), lengths.shape[0] // tables), lengths)
+        return np.asarray(batch[keys[1]], np.int64) + first_row[table]
+
+    # 1. rank: count the ids of drawn batches until the fill and the ranking's hit rate stop moving
+    ranked = rounds = 0
+    fill = hit = -1.0
+    settled = False
+    while rounds < max_rank_rounds:
+        drawn = np.concatenate([rows_of(make()) for _ in range(rank_round)])
+        ranked += rank_round
+        rounds += 1
+        seen = int(np.count_nonzero(counts))
+        if seen:
+            top = np.argpartition(counts, -min(slots, seen))[-min(slots, seen):] if seen > slots else counts.nonzero()[0]
+            cached = np.zeros(counts.shape[0], bool)
+            cached[top] = True
+            round_hit = float(cached[drawn].mean())
+        else:
+            round_hit = 0.0
+        counts += np.bincount(drawn, minlength=counts.shape[0]).astype(np.int32)
+        round_fill = min(1.0, np.count_nonzero(counts) / max(1, slots))
+        if progress:
+            progress(f"ranking rows: {ranked:,} batches drawn, fill {100 * round_fill:.1f}%, ranking's hit rate "
+                     f"{100 * round_hit:.1f}%")
+        if round_fill - fill < 0.005 and abs(round_hit - hit) < 0.005:
+            settled = True
+            break
+        fill, hit = round_fill, round_hit
+        if time.perf_counter() > start + seconds / 2:
+            break
+    seen = int(np.count_nonzero(counts))
+    top = np.argsort(-counts, kind="stable")[:min(slots, seen)]
+    table = np.searchsorted(first_row, top, side="right") - 1
+    order = np.argsort(table, kind="stable")  # one item whose bags hold each table's wanted ids
+    lengths = np.bincount(table, minlength=tables).reshape(1, tables).astype(np.int32)
+    stage.warm(lengths, (top - first_row[table])[order], counts[top][order].astype(np.float64))
+    # 2. serve: the cache's own policy takes over until a round's hit rate settles
+    served = 0
+    last = -1.0
+    round_hit = 0.0
+    serve_settled = False
+    while True:
+        for s in stores:
+            s.reset_stats()
+        for _ in range(round_batches):
+            exe.run(make())
+        served += round_batches
+        hits = sum(s.stats.hits for s in stores)
+        total = hits + sum(s.stats.misses for s in stores)
+        round_hit = hits / total if total else 1.0
+        fill = sum(s.cached_rows for s in stores) / max(1, slots)
+        if progress:
+            progress(f"serving: {served:,} batches, hit rate {100 * round_hit:.1f}% (round before "
+                     f"{100 * max(last, 0):.1f}%), fill {100 * fill:.1f}%")
+        if abs(round_hit - last) < 0.01:
+            serve_settled = True
+            break
+        last = round_hit
+        if time.perf_counter() > deadline:
+            break
+    return TierWarming(ranked=ranked, served=served, fill=fill, hit_rate=round_hit,
+                       seconds=time.perf_counter() - start, settled=settled and serve_settled)
 
 
 def print_measure(report: MeasureReport, console: Any) -> None:
@@ -288,14 +413,18 @@ def _print_tiers(report: MeasureReport, console: Any) -> None:
     items = report.tiers[0].items
     table = Table(title=f"{report.model}: table tiers, plan estimate vs measured on this host (host stage, batches of "
                         f"{items} items, row cache warmed first)")
-    for column in ("memory", "hit est.", "hit meas.", "ratio", "reads est.", "reads meas.", "host ms est.",
-                   "host ms meas.", "ratio "):
+    for column in ("memory", "warm-up", "hit est.", "hit meas.", "ratio", "reads est.", "reads meas.",
+                   "host ms est.", "host ms meas.", "of it reads", "ratio "):
         table.add_column(column, justify="right")
     for t in report.tiers:
-        table.add_row(t.budget, f"{100 * t.estimate_hit_rate:.1f}%", f"{100 * t.measured_hit_rate:.1f}%",
+        table.add_row(t.budget, f"{t.warm_ranked:,} + {t.warm_served:,} ({100 * t.warm_fill:.0f}% full)",
+                      f"{100 * t.estimate_hit_rate:.1f}%", f"{100 * t.measured_hit_rate:.1f}%",
                       f"{t.hit_ratio:.2f}", f"{t.estimate_reads:,.0f}", f"{t.reads_per_batch:,.0f}",
-                      f"{t.estimate_s * 1e3:.3f}", f"{t.measured_s * 1e3:.3f}", f"{t.ratio:.2f}")
+                      f"{t.estimate_s * 1e3:.3f}", f"{t.measured_s * 1e3:.3f}", f"{t.read_s * 1e3:.3f}",
+                      f"{t.ratio:.2f}")
     console.print(table)
-    console.print("  hit: share of ids the row cache answered (estimate: a warm cache of the most popular rows, an "
-                  "upper bound); reads: distinct rows read from disk per batch; host ms: host stage per batch "
-                  "(estimate: this host's resident estimate + the plan's reads / IOPS); ratio: measured / estimate")
+    console.print("  warm-up: batches drawn to rank the rows loaded + batches served until the hit rate settled "
+                  "(cache fill when timing began); hit: share of ids the row cache answered (estimate: a warm cache "
+                  "of the most popular rows, an upper bound); reads: distinct rows read from disk per batch; host "
+                  "ms: host stage per batch (estimate: this host's resident estimate + the plan's reads / IOPS), of "
+                  "it reads: the disk reads' own time; ratio: measured / estimate")
