@@ -244,6 +244,32 @@ def test_rest_inputs_and_output_in_shared_memory_score_like_grpc(served_rm2, grp
         client.close = lambda: None  # NOTE: its __del__ would close it again, on whatever thread collects it
 
 
+def test_rest_registration_errors_name_the_field(served_rm2):
+    import http.client
+    import json
+
+    host, port = served_rm2.http_url.rsplit(":", 1)
+    for body, status, words in [({"offset": 0, "byte_size": 8}, 400, "'key' must be a string"),
+                                ({"key": "/sixfold-test-none", "byte_size": 8}, 400, "does not exist"),
+                                ({"key": "/x/y", "byte_size": 8}, 400, "must name a POSIX"),
+                                ({"key": "/sixfold-test-none", "byte_size": "8"}, 400, "byte_size must be")]:
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            connection.request("POST", "/v2/systemsharedmemory/region/r/register", json.dumps(body))
+            response = connection.getresponse()
+            text = response.read().decode()
+        finally:
+            connection.close()
+        assert response.status == status and words in text, (body, response.status, text)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("GET", "/v2/systemsharedmemory/region/r/status")
+        response = connection.getresponse()
+        assert response.status == 400 and "no shared memory region 'r'" in response.read().decode()
+    finally:
+        connection.close()
+
+
 def test_grpc_status_code_of_unknown_region_is_invalid_argument(grpc_client, query):
     with pytest.raises(InferenceServerException) as info:
         grpc_client.infer("rm2", _inputs(tc, query, "never"))
