@@ -140,7 +140,7 @@ class HostEmbeddingStage:
     def __init__(self, tables: Sequence[Any] | str | Path, precision: str | Sequence[str] = "fp32", *,
                  layout: Layout = "fused", cache: bool = True, check_ids: bool = True,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu", item_ids: int = 1,
-                 io_threads: int = 16) -> None:
+                 io_threads: int = 32) -> None:
         import torch
 
         if layout not in ("fused", "per-table"):
@@ -752,7 +752,7 @@ class HostEmbeddingBackend(Backend):
                                        layout=meta.get("layout", "fused"), cache=meta.get("cache", True),
                                        check_ids=self.check_ids, table_memory=meta.get("table_memory"),
                                        cache_policy=meta.get("cache_policy", "tinylfu"),
-                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", 16))
+                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", 32))
         except (ValueError, FileNotFoundError) as exc:
             raise BackendError(f"partition {artifact.name}: {exc}") from exc
         return HostEmbeddingExecutable(artifact, device, stage)

@@ -20,9 +20,12 @@ Policy (measured on rm2 at full size, Zipf ids: see BENCHMARKS.md, "Tiered table
 - ``clock``: every miss is admitted; victims by CLOCK (second chance, an LRU
   approximation whose sweep is a vectorised scan).
 - ``tinylfu`` (default): a miss is admitted only when a small frequency sketch
-  (hashed uint8 counters, halved every ``8 x counters`` updates) has seen the row miss
-  before, or a slot is still free. Power-law ids have a long tail of rows read once;
-  admitting them evicts hot rows for nothing.
+  (a count-min sketch of uint8 counters, ``len(SKETCH_HASHES)`` per row, conservative
+  update, halved every ``8 x counters`` updates) has seen the row miss ``ADMIT_MISSES``
+  times, or a slot is still free. Power-law ids have a long tail of rows read once or
+  twice; admitting them evicts hot rows for nothing. (With one hashed counter and a
+  second miss admitting, rm2 at a 10% budget settled at an 80.2% hit rate; with four
+  and a fourth miss, 82.4%: BENCHMARKS.md, "Tier estimate vs measured".)
 
 Memory (all inside the budget): the row index, 4 bytes per table row; per slot
 the row, its owner (8 B), a reference bit and a pin (5 B); the staging rows (a
@@ -73,7 +76,14 @@ _INDEX_BYTES = 4
 READ_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """Upper bounds (seconds) of the read-time histogram: one batch's misses read together."""
 LOG_EVERY_BATCHES = 1000
+SKETCH_HASHES = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
+"""Multipliers of the admission sketch's hashes (one counter each per row; a row's count is their minimum)."""
+ADMIT_MISSES = 4
+"""``tinylfu`` admits a missed row (once the cache is full) when the sketch has counted this many misses of it."""
 """The hit rate is logged (INFO) every this many batches that read from disk."""
+
+
+_SKETCH_MULTIPLIERS = np.asarray(SKETCH_HASHES, np.int64)[:, None]
 
 
 def parse_bytes(text: str | int) -> int:
@@ -209,7 +219,7 @@ class TieredRows:
     """
 
     def __init__(self, files: Sequence[str | Path | TableFile], budget: int, *, policy: Policy = "tinylfu",
-                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = 16,
+                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = 32,
                  direct: bool = True, ways: int = 8) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -548,17 +558,18 @@ class TieredRows:
         candidates = np.arange(uniq.shape[0])
         if self.policy == "tinylfu" and self.sketch is not None:
             mask = self.sketch.shape[0] - 1
-            h = ((uniq * 0x9E3779B1) >> 7) & mask
-            counts = self.sketch[h].astype(np.int32) + 1
+            h = ((uniq[None, :] * _SKETCH_MULTIPLIERS) >> 7) & mask  # (hashes, rows)
+            held = self.sketch[h].astype(np.int32)
+            counts = held.min(axis=0) + 1
             np.minimum(counts, 255, out=counts)
-            self.sketch[h] = counts
+            self.sketch[h] = np.maximum(held, counts)  # conservative update: only the counters at the minimum rise
             self._sketch_updates += uniq.shape[0]
             if self._sketch_updates > 8 * self.sketch.shape[0]:
                 self.sketch >>= 1  # age: old popularity fades
                 self._sketch_updates = 0
             if self.free < uniq.shape[0]:
-                seen = candidates[counts >= 2]
-                fresh = candidates[counts < 2][:self.free]
+                seen = candidates[counts >= ADMIT_MISSES]
+                fresh = candidates[counts < ADMIT_MISSES][:self.free]
                 candidates = np.concatenate([seen, fresh])
         if keep is not None and keep.any():  # kept first (a later run reads them), then the policy's choice
             candidates = np.concatenate([np.flatnonzero(keep), candidates[~keep[candidates]]])
