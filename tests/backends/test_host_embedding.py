@@ -97,23 +97,23 @@ def test_fp32_is_bit_identical_to_the_model_module():
         assert torch.equal(stage(*args), module(*args))
 
 
-@pytest.mark.parametrize("n", [1, 9, 200])
-def test_small_batches_take_the_numpy_index_path_bit_for_bit(monkeypatch, n):
-    """Under SMALL_BATCH_IDS the index arithmetic runs in numpy; the sums must not change by a bit."""
-    import backends.host_embedding as he
-
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("n", [1, 9, 200, 1500])
+def test_numpy_index_arithmetic_sums_like_forward_bit_for_bit(monkeypatch, precision, n):
+    """run_numpy builds the rows in numpy (any batch size, any precision of one resident group);
+    the sums must be forward's (torch's index arithmetic) to the bit. 1500 items: ~22k ids."""
     tables = make_tables(rows=(50, 7, 1, 30, 400))
-    stage = HostEmbeddingStage(tables)
+    stage = HostEmbeddingStage(tables, precision)
     lengths, indices = make_request(stage.table_rows, n=n, seed=n, empty_every=4)
     calls = []
     monkeypatch.setattr(stage, "forward", lambda *a: calls.append(a) or HostEmbeddingStage.forward(stage, *a))
-    small = stage.run_numpy(lengths, indices)
+    got = stage.run_numpy(lengths, indices)
     assert calls == []  # the numpy path
-    monkeypatch.setattr(he, "SMALL_BATCH_IDS", -1)
-    large = stage.run_numpy(lengths, indices)
-    assert len(calls) == 1  # the torch path
-    assert small.dtype == np.float32 and np.array_equal(small, large)
-    np.testing.assert_allclose(small, reference(tables, lengths, indices), atol=1e-6, rtol=0)
+    with torch.inference_mode():
+        want = HostEmbeddingStage.forward(stage, torch.from_numpy(lengths), torch.from_numpy(indices)).numpy()
+    assert got.dtype == np.float32 and got.shape == want.shape and np.array_equal(got, want)
+    if precision == "fp32":
+        np.testing.assert_allclose(got, reference(tables, lengths, indices), atol=1e-6, rtol=0)
 
 
 def test_per_table_views_of_one_weight_are_used_in_place():
