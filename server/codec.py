@@ -171,17 +171,22 @@ def _decode_mixed(tensors, raw, shared_memory: SharedMemoryRegistry | None) -> d
 
 
 def output_regions(request: service_pb2.ModelInferRequest,
-                   shared_memory: SharedMemoryRegistry | None = None) -> dict[str, SharedMemoryRef]:
+                   shared_memory: SharedMemoryRegistry | None = None) -> dict[str, SharedMemoryRef] | None:
     """The requested outputs to be written into shared memory regions, checked before any work."""
-    regions: dict[str, SharedMemoryRef] = {}
+    regions: dict[str, SharedMemoryRef] | None = None
     for output in request.outputs:
+        parameters = output.parameters
+        if not parameters:  # NOTE: nearly every request: one length read, no map lookup
+            continue
         what = f"output '{output.name}'"
-        ref = shared_memory_ref(output.parameters, what)
+        ref = shared_memory_ref(parameters, what)
         if ref is None:
             continue
         if shared_memory is None:
             raise InvalidInput(f"{what}: this server does not accept shared memory outputs")
         shared_memory.check(*ref, what=what)
+        if regions is None:
+            regions = {}
         regions[output.name] = ref
     return regions
 
