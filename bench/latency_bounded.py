@@ -343,38 +343,38 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
 async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order: tuple[str, ...],
                        sizes: tuple[int, ...], repeats: int, *, client: str = "raw"
                        ) -> tuple[dict[int, float], dict[int, float]]:
-    """Median and min ms of one query at a time, per size (after one untimed query of that size)."""
+    """Median and min ms of one query at a time, per size (after one untimed query of that size);
+    ``client="shm"`` sends each query by shared memory region (loadgen's SharedMemoryTransport)."""
     import grpc
 
-    out, fastest = {}, {}
-    if client == "shm":
-        transport = SharedMemoryTransport(url, model)
-        try:
-            for n in sizes:
-                payload = transport.prepare({k: v for k, v in gen.make(n).items()})
-                times = []
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    await transport.infer(payload, n)
-                    times.append(time.perf_counter() - t0)
-                out[n] = round(statistics.median(times[1:]) * 1e3, 1)
-                fastest[n] = round(min(times[1:]) * 1e3, 1)
-        finally:
-            await transport.close()
-        return out, fastest
-    async with grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
-                                   response_deserializer=None)
+    async def timed(send: Any, prepare: Any) -> tuple[dict[int, float], dict[int, float]]:
+        out, fastest = {}, {}
         for n in sizes:
-            payload = _encode(model, gen.make(n), order)
+            payload = prepare(n)
             times = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                await call(payload, timeout=60)
+                await send(payload, n)
                 times.append(time.perf_counter() - t0)
             out[n] = round(statistics.median(times[1:]) * 1e3, 1)
             fastest[n] = round(min(times[1:]) * 1e3, 1)
-    return out, fastest
+        return out, fastest
+
+    if client == "shm":
+        transport = SharedMemoryTransport(url, model)
+
+        def by_region(n: int) -> bytes:
+            query = gen.make(n)
+            return transport.prepare({k: query[k] for k in order})
+
+        try:
+            return await timed(transport.infer, by_region)
+        finally:
+            await transport.close()
+    async with grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                                   response_deserializer=None)
+        return await timed(lambda payload, n: call(payload, timeout=60), lambda n: _encode(model, gen.make(n), order))
 
 
 async def search(url: str, model: str, cfg: models.ModelConfig, args: argparse.Namespace, bound: float, *,
