@@ -33,6 +33,7 @@ from .http_codec import HEADER_LENGTH, decode_request, dumps, encode_response
 from .model import ServedModel
 from .metrics import ServerMetrics
 from .model_config import to_model_config
+from .shared_memory import NotLocal, check_local_peer
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
 
@@ -44,7 +45,7 @@ class BodyTooLarge(InvalidInput):
 
 
 _STATUS: dict[type[ServingError], int] = {
-    BodyTooLarge: 413, InvalidInput: 400, ModelNotFound: 404, Unauthenticated: 401, Overloaded: 429,
+    BodyTooLarge: 413, NotLocal: 403, InvalidInput: 400, ModelNotFound: 404, Unauthenticated: 401, Overloaded: 429,
     Unavailable: 503, DeadlineExceeded: 504, InternalError: 500, ServingError: 500,
 }
 
@@ -277,12 +278,13 @@ class _Routes:
 
     @_rest_errors
     async def shm_register(self, request: Request) -> Response:
+        registry = self._shared_memory()
+        check_local_peer(request.client.host if request.client else None)
         body = await self._json_body(request)
         key = body.get("key")
         if not isinstance(key, str):
             raise InvalidInput(f"register: 'key' must be a string, got {key!r}")
-        self._shared_memory().register(request.path_params["region"], key, body.get("offset", 0),
-                                       body.get("byte_size"))
+        registry.register(request.path_params["region"], key, body.get("offset", 0), body.get("byte_size"))
         return Response(status_code=200)
 
     @_rest_errors

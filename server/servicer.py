@@ -24,6 +24,7 @@ from .core import InferenceCore
 from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from .model import ServedModel
 from .model_config import to_model_config
+from .shared_memory import check_local_peer, grpc_peer_host
 
 __all__ = ["InferenceServicer"]
 
@@ -175,7 +176,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_grpc_errors
     async def SystemSharedMemoryRegister(self, request, context):
-        self._shared_memory().register(request.name, request.key, request.offset, request.byte_size)
+        registry = self._shared_memory()
+        check_local_peer(grpc_peer_host(context.peer() or ""))
+        registry.register(request.name, request.key, request.offset, request.byte_size)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     @_grpc_errors

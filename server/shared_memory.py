@@ -17,10 +17,15 @@ the last of them is answered.
 
 Errors follow Triton's codes: registering a name twice is ALREADY_EXISTS, the status of an unknown
 region NOT_FOUND, a request naming an unknown region or bytes outside it INVALID_ARGUMENT.
+
+Only a client on this host can share memory with the server, so a registration from any other peer
+is a mistake or an attack (a remote client naming a local segment, to have scores written into it):
+it is refused with PERMISSION_DENIED (``check_local_peer``), whatever ``--host`` the server binds.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import mmap
 import os
 from dataclasses import dataclass
@@ -30,7 +35,8 @@ import grpc
 
 from .errors import InvalidInput
 
-__all__ = ["RegionStatus", "SharedMemoryRegistry", "RegionExists", "RegionNotFound", "SHM_ROOT"]
+__all__ = ["RegionStatus", "SharedMemoryRegistry", "RegionExists", "RegionNotFound", "NotLocal", "SHM_ROOT",
+           "check_local_peer", "grpc_peer_host"]
 
 SHM_ROOT = Path("/dev/shm")
 """Where Linux keeps ``shm_open``'s objects: key ``/name`` is the file ``/dev/shm/name``."""
@@ -46,6 +52,39 @@ class RegionNotFound(InvalidInput):
     """The status of a region nobody registered (gRPC NOT_FOUND; REST 400)."""
 
     code = grpc.StatusCode.NOT_FOUND
+
+
+class NotLocal(InvalidInput):
+    """A registration from a peer that is not on this host (gRPC PERMISSION_DENIED; REST 403)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "not_local"
+
+
+def check_local_peer(host: str | None) -> None:
+    """Refuse a peer that is not on this host: ``host`` is an address (REST's client host, or the
+    address part of gRPC's ``ipv4:A:P`` / ``ipv6:[A]:P`` peer), None or empty for a Unix socket."""
+    if not host or host.startswith("unix:"):
+        return
+    try:
+        address = ipaddress.ip_address(host)
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack socket
+        local = (mapped or address).is_loopback
+    except ValueError:
+        local = host == "localhost"
+    if not local:
+        raise NotLocal(f"system shared memory is for clients on this host; a registration from {host} is "
+                       "refused (connect over loopback, from the server's network namespace)")
+
+
+def grpc_peer_host(peer: str) -> str:
+    """The address in a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    return peer if kind == "unix" else rest or peer
 
 
 @dataclass(frozen=True)

@@ -289,3 +289,64 @@ async def test_loadgen_shm_client_serves_a_run_from_segments_and_leaves_none_beh
     assert {p.name for p in SHM_ROOT.glob("sixfold-loadgen-*")} == before  # unlinked
     with contextlib.closing(tc.InferenceServerClient(served_rm2.url)) as client:
         assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}  # unregistered
+
+
+def _non_loopback_address() -> str | None:
+    """An IPv4 address of this host that is not loopback, for a client that is 'remote' to the server."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+@pytest.mark.parametrize("peer, local", [("127.0.0.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
+                                         (None, True), ("unix:/run/s.sock", True), ("10.1.2.3", False),
+                                         ("2001:db8::1", False)])
+def test_only_peers_on_this_host_may_register(peer, local):
+    from server.shared_memory import NotLocal, check_local_peer, grpc_peer_host
+
+    if local:
+        check_local_peer(peer)
+    else:
+        with pytest.raises(NotLocal, match=f"registration from {peer} is refused"):
+            check_local_peer(peer)
+    assert grpc_peer_host("ipv4:10.1.2.3:5000") == "10.1.2.3"
+    assert grpc_peer_host("ipv6:[::1]:5000") == "::1"
+
+
+def test_a_registration_from_another_address_is_refused_over_grpc_and_rest(tmp_path):
+    """The server binds every address; a client reaching it through a non-loopback one is not local."""
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    served = load_builtin("tiny", max_rows=None, seed=0, cards=1, backend="simcard", card_spec="m2-card",
+                          metrics=ServerMetrics(), batching=BatchingConfig())
+    config = ServerConfig(host="0.0.0.0", grpc_port=0, http_port=0, metrics_port=None, warmup=False)
+    background = BackgroundServer(InferenceCore([served]), config, ServerMetrics()).start()
+    grpc_port, http_port = background.url.rsplit(":", 1)[1], background.http_url.rsplit(":", 1)[1]
+    try:
+        with segment(64) as (key, _):
+            with contextlib.closing(tc.InferenceServerClient(f"{address}:{grpc_port}")) as remote:
+                with pytest.raises(InferenceServerException, match="is for clients on this host") as info:
+                    remote.register_system_shared_memory("r", key, 64)
+                assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+            rest = th.InferenceServerClient(f"{address}:{http_port}", network_timeout=30.0)
+            try:
+                with pytest.raises(InferenceServerException, match=r"\[403\].*is for clients on this host"):
+                    rest.register_system_shared_memory("r", key, 64)
+            finally:
+                rest.close()
+                rest.close = lambda: None
+            with contextlib.closing(tc.InferenceServerClient(f"127.0.0.1:{grpc_port}")) as local:
+                local.register_system_shared_memory("r", key, 64)  # the same server, over loopback
+                assert [r["name"] for r in local.get_system_shared_memory_status(as_json=True)["regions"].values()] == ["r"]
+                local.unregister_system_shared_memory()
+    finally:
+        background.stop()
