@@ -80,13 +80,15 @@ async def test_record_then_replay_reproduces_schedule_sizes_and_results(fake_ser
     recording = load_recording(path)
     assert len(recording) == first.requests["sent"] == len(server.seen.sizes)
     assert np.all(recording.status == 1) and np.all(recording.latency[recording.status == 1] >= 0.005)
-    assert list(recording.items) == server.seen.sizes  # sent in schedule order
-    sent_first = list(server.seen.ids)
+    # NOTE: as multisets: bursts send requests microseconds apart on separate HTTP/2 streams, and the
+    # server may see two of them swapped (2 runs in 10 failed an in-order check, before and after 2026-11-26)
+    assert sorted(recording.items.tolist()) == sorted(server.seen.sizes)
+    sent_first = sorted(a.tobytes() for a in server.seen.ids)
     server.seen.sizes.clear(), server.seen.ids.clear(), server.seen.arrivals.clear()
     replayed = await run_load_async(config(server, qps=0.0, replay_path=str(path), query_size="fixed:99"))
     assert replayed.mode == "replay"
-    assert server.seen.sizes == list(recording.items)  # same sizes, same order
-    assert all(np.array_equal(a, b) for a, b in zip(server.seen.ids, sent_first))  # the very same ids
+    assert sorted(server.seen.sizes) == sorted(recording.items.tolist())  # the same sizes
+    assert sorted(a.tobytes() for a in server.seen.ids) == sent_first  # the very same ids
     assert replayed.requests == first.requests
     assert [r["sent"] for r in replayed.timeline] == [r["sent"] for r in first.timeline]
     assert replayed.query_size == first.query_size
