@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 
 from .arrivals import ARRIVAL_FORMS
-from .config import LoadConfig, parse_float_list, parse_int_list
+from .config import CLIENTS, LoadConfig, parse_float_list, parse_int_list
 from .errors import LoadgenError
 from .report import Report, print_report
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop: keep N requests outstanding for --duration (or --max-requests); "
                         "with --mlperf-scenario offline: requests outstanding (default 8)")
-    p.add_argument("--client", choices=("raw", "tritonclient", "shm"), default="raw",
+    p.add_argument("--client", choices=CLIENTS, default="raw",
                    help="raw: requests pre-serialized, sent on a gRPC channel (default); "
                         "tritonclient: every request through InferenceServerClient.infer; "
                         "shm: a server on this host reads each query's tensors from a shared memory segment "

@@ -10,7 +10,10 @@ from models.requests import parse_query_sizes
 
 from .arrivals import parse_arrival
 
-__all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES"]
+__all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES", "CLIENTS"]
+
+CLIENTS = ("raw", "tritonclient", "shm")
+"""How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``loadgen.transport``)."""
 
 REQUEST_LIMIT = 10_000_000
 """Hard cap on requests in one run, so a typo in --qps cannot exhaust memory."""
@@ -118,8 +121,8 @@ class LoadConfig:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         if self.dense_dim is not None and self.dense_dim < 1:
             raise ValueError(f"dense_dim must be >= 1, got {self.dense_dim}")
-        if self.client not in ("raw", "tritonclient", "shm"):
-            raise ValueError(f"bad client {self.client!r}: expected 'raw', 'tritonclient' or 'shm'")
+        if self.client not in CLIENTS:
+            raise ValueError(f"bad client {self.client!r}: expected one of {', '.join(CLIENTS)}")
         if self.replay_path is None:
             parse_query_sizes(self.query_size)
         if self.concurrency is not None or self.replay_path is not None:

@@ -36,13 +36,11 @@ from tritonclient.utils import InferenceServerException
 
 from models.signature import SCORES
 
+from .config import CLIENTS
 from .errors import LoadgenError
 
 __all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "SharedMemoryTransport",
-           "make_transport", "DATATYPES", "CHANNEL_OPTIONS", "make_client", "CLIENTS"]
-
-CLIENTS = ("raw", "tritonclient", "shm")
-"""The transports ``make_transport`` builds (``LoadConfig.client``, ``sixfold-loadgen --client``)."""
+           "make_transport", "DATATYPES", "CHANNEL_OPTIONS", "make_client"]
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
 CHANNEL_OPTIONS = [
@@ -177,7 +175,7 @@ class SharedMemoryTransport(RawGrpcTransport):
             for segment in self._segments:
                 with contextlib.suppress(grpc.RpcError):
                     self._stub.SystemSharedMemoryUnregister(
-                        service_pb2.SystemSharedMemoryUnregisterRequest(name=segment.name.lstrip("/")), timeout=5)
+                        service_pb2.SystemSharedMemoryUnregisterRequest(name=segment.name), timeout=5)
         finally:
             for segment in self._segments:
                 segment.close()

@@ -13,13 +13,11 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from .errors import InvalidInput
-from .shared_memory import SharedMemoryRegistry
+from .shared_memory import (SharedMemoryRef, SharedMemoryRegistry, check_output_region, tensor_from_region,
+                            write_output)
 
 __all__ = ["DTYPES", "decode_inputs", "requested_outputs", "request_timeout", "request_priority", "encode_response",
-           "datatype_of", "shared_memory_ref", "output_regions", "SharedMemoryRef"]
-
-SharedMemoryRef = tuple[str, int, int]
-"""(region name, offset, byte size) of a tensor kept in shared memory (server.shared_memory)."""
+           "datatype_of", "shared_memory_ref", "output_regions"]
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -139,19 +137,12 @@ def _decode_mixed(tensors, raw, shared_memory: SharedMemoryRegistry | None) -> d
             raise InvalidInput(f"input '{name}' appears twice")
         dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)
         shape = _shape(tensor)
-        need = math.prod(shape) * dtype.itemsize
         what = f"input '{name}'"
         ref = shared_memory_ref(tensor.parameters, what)
         if ref is not None:
-            if shared_memory is None:
-                raise InvalidInput(f"{what}: this server does not accept shared memory inputs")
             if tensor.HasField("contents"):
                 raise InvalidInput(f"{what}: has both contents and a shared memory region")
-            region, offset, byte_size = ref
-            if byte_size != need:
-                raise InvalidInput(f"{what}: shared_memory_byte_size is {byte_size} but shape {list(shape)} of "
-                                   f"{tensor.datatype} needs {need}")
-            arrays[name] = np.ndarray(shape, dtype, shared_memory.read(region, offset, byte_size, what=what))
+            arrays[name] = tensor_from_region(shared_memory, ref, dtype, shape, tensor.datatype, what)
         elif tensor.HasField("contents"):
             if raw:
                 raise InvalidInput(f"{what}: has typed contents in a request that also has raw_input_contents")
@@ -159,7 +150,7 @@ def _decode_mixed(tensors, raw, shared_memory: SharedMemoryRegistry | None) -> d
         elif next_raw < len(raw):
             data = raw[next_raw]
             next_raw += 1
-            if len(data) != need:
+            if len(data) != math.prod(shape) * dtype.itemsize:
                 _raw_mismatch(tensor, name, arrays, list(shape), dtype, data)
             arrays[name] = np.ndarray(shape, dtype, data)
         else:
@@ -182,9 +173,7 @@ def output_regions(request: service_pb2.ModelInferRequest,
         ref = shared_memory_ref(parameters, what)
         if ref is None:
             continue
-        if shared_memory is None:
-            raise InvalidInput(f"{what}: this server does not accept shared memory outputs")
-        shared_memory.check(*ref, what=what)
+        check_output_region(shared_memory, ref, what)
         if regions is None:
             regions = {}
         regions[output.name] = ref
@@ -242,13 +231,10 @@ def encode_response(model: str, version: str, request_id: str, outputs: Mapping[
         if ref is None:
             response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
             continue
-        assert shared_memory is not None
-        region, offset, byte_size = ref
-        shared_memory.write(region, offset, byte_size, np.ascontiguousarray(array).data.cast("B"),
-                            what=f"output '{name}'")
-        out.parameters["shared_memory_region"].string_param = region
-        out.parameters["shared_memory_byte_size"].int64_param = array.nbytes
-        if offset:
-            out.parameters["shared_memory_offset"].int64_param = offset
+        for key, value in write_output(shared_memory, ref, array, f"output '{name}'").items():
+            if isinstance(value, str):
+                out.parameters[key].string_param = value
+            else:
+                out.parameters[key].int64_param = value
         response.raw_output_contents.append(b"")
     return response

@@ -33,7 +33,7 @@ from .http_codec import HEADER_LENGTH, decode_request, dumps, encode_response
 from .model import ServedModel
 from .metrics import ServerMetrics
 from .model_config import to_model_config
-from .shared_memory import NotLocal, check_local_peer
+from .shared_memory import NotLocal, check_local_peer, enabled
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
 
@@ -266,19 +266,14 @@ class _Routes:
             raise InvalidInput(f"request body must be a JSON object, got {type(data).__name__}")
         return data
 
-    def _shared_memory(self):
-        if self.core.shared_memory is None:
-            raise Unavailable("system shared memory is disabled on this server (sixfold-serve --no-shared-memory)")
-        return self.core.shared_memory
-
     @_rest_errors
     async def shm_status(self, request: Request) -> Response:
-        regions = self._shared_memory().status(request.path_params.get("region", ""))
+        regions = enabled(self.core.shared_memory).status(request.path_params.get("region", ""))
         return _json([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions])
 
     @_rest_errors
     async def shm_register(self, request: Request) -> Response:
-        registry = self._shared_memory()
+        registry = enabled(self.core.shared_memory)
         check_local_peer(request.client.host if request.client else None)
         body = await self._json_body(request)
         key = body.get("key")
@@ -289,7 +284,7 @@ class _Routes:
 
     @_rest_errors
     async def shm_unregister(self, request: Request) -> Response:
-        self._shared_memory().unregister(request.path_params.get("region", ""))
+        enabled(self.core.shared_memory).unregister(request.path_params.get("region", ""))
         return Response(status_code=200)
 
     @_rest_errors

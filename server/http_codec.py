@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .codec import DTYPES, SharedMemoryRef, datatype_of
+from .codec import DTYPES, datatype_of
 from .errors import InvalidInput
-from .shared_memory import SharedMemoryRegistry
+from .shared_memory import (SharedMemoryRef, SharedMemoryRegistry, check_output_region, tensor_from_region,
+                            write_output)
 
 __all__ = ["HEADER_LENGTH", "RestRequest", "decode_request", "encode_response", "dumps"]
 
@@ -158,7 +159,7 @@ def _inputs(header: dict, binary: memoryview,
         parameters = _object(tensor.get("parameters", {}), f"input '{name}': 'parameters'")
         ref = _shared_memory_ref(parameters, f"input '{name}'")
         if ref is not None:
-            arrays[name] = _from_region(name, datatype, dtype, shape, ref, shared_memory)
+            arrays[name] = tensor_from_region(shared_memory, ref, dtype, shape, datatype, f"input '{name}'")
             continue
         size = _int_parameter(parameters, "binary_data_size", "bytes of binary data")
         if size is None:
@@ -181,19 +182,6 @@ def _inputs(header: dict, binary: memoryview,
     return arrays
 
 
-def _from_region(name: str, datatype: str, dtype: np.dtype, shape: list[int], ref: SharedMemoryRef,
-                 shared_memory: SharedMemoryRegistry | None) -> np.ndarray:
-    what = f"input '{name}'"
-    if shared_memory is None:
-        raise InvalidInput(f"{what}: this server does not accept shared memory inputs")
-    region, offset, byte_size = ref
-    need = math.prod(shape) * dtype.itemsize
-    if byte_size != need:
-        raise InvalidInput(f"{what}: shared_memory_byte_size is {byte_size} but shape {shape} of {datatype} "
-                           f"needs {need}")
-    return np.ndarray(tuple(shape), dtype, shared_memory.read(region, offset, byte_size, what=what))
-
-
 def _outputs(header: dict, binary_default: bool, shared_memory: SharedMemoryRegistry | None
              ) -> tuple[list[str], set[str] | bool, dict[str, SharedMemoryRef] | None]:
     outputs = header.get("outputs")
@@ -212,9 +200,7 @@ def _outputs(header: dict, binary_default: bool, shared_memory: SharedMemoryRegi
         parameters = _object(output.get("parameters", {}), f"output '{name}': 'parameters'")
         ref = _shared_memory_ref(parameters, f"output '{name}'")
         if ref is not None:
-            if shared_memory is None:
-                raise InvalidInput(f"output '{name}': this server does not accept shared memory outputs")
-            shared_memory.check(*ref, what=f"output '{name}'")
+            check_output_region(shared_memory, ref, f"output '{name}'")
             regions[name] = ref
         wanted = parameters.get("binary_data", binary_default)
         if not isinstance(wanted, bool):
@@ -256,13 +242,7 @@ def encode_response(model: str, version: str, request_id: str, outputs: Mapping[
         tensor: dict[str, Any] = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
         ref = regions.get(name) if regions else None
         if ref is not None:
-            assert shared_memory is not None
-            region, offset, byte_size = ref
-            shared_memory.write(region, offset, byte_size, np.ascontiguousarray(array).data.cast("B"),
-                                what=f"output '{name}'")
-            tensor["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": array.nbytes}
-            if offset:
-                tensor["parameters"]["shared_memory_offset"] = offset
+            tensor["parameters"] = write_output(shared_memory, ref, array, f"output '{name}'")
         elif binary is True or (binary is not False and name in binary):
             data = np.ascontiguousarray(array).tobytes()
             tensor["parameters"] = {"binary_data_size": len(data)}

@@ -24,7 +24,7 @@ from .core import InferenceCore
 from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from .model import ServedModel
 from .model_config import to_model_config
-from .shared_memory import check_local_peer, grpc_peer_host
+from .shared_memory import check_local_peer, enabled, grpc_peer_host
 
 __all__ = ["InferenceServicer"]
 
@@ -169,27 +169,22 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._control(context, changes=True).unload(request.model_name)
         return service_pb2.RepositoryModelUnloadResponse()
 
-    def _shared_memory(self):
-        if self.core.shared_memory is None:
-            raise Unavailable("system shared memory is disabled on this server (sixfold-serve --no-shared-memory)")
-        return self.core.shared_memory
-
     @_grpc_errors
     async def SystemSharedMemoryRegister(self, request, context):
-        registry = self._shared_memory()
+        registry = enabled(self.core.shared_memory)
         check_local_peer(grpc_peer_host(context.peer() or ""))
         registry.register(request.name, request.key, request.offset, request.byte_size)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     @_grpc_errors
     async def SystemSharedMemoryUnregister(self, request, context):
-        self._shared_memory().unregister(request.name)
+        enabled(self.core.shared_memory).unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     @_grpc_errors
     async def SystemSharedMemoryStatus(self, request, context):
         response = service_pb2.SystemSharedMemoryStatusResponse()
-        for region in self._shared_memory().status(request.name):
+        for region in enabled(self.core.shared_memory).status(request.name):
             response.regions[region.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
                 name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
         return response

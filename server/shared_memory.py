@@ -26,17 +26,24 @@ it is refused with PERMISSION_DENIED (``check_local_peer``), whatever ``--host``
 from __future__ import annotations
 
 import ipaddress
+import math
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 
-from .errors import InvalidInput
+from .errors import InvalidInput, Unavailable
 
 __all__ = ["RegionStatus", "SharedMemoryRegistry", "RegionExists", "RegionNotFound", "NotLocal", "SHM_ROOT",
-           "check_local_peer", "grpc_peer_host"]
+           "SharedMemoryRef", "check_local_peer", "grpc_peer_host", "enabled", "tensor_from_region",
+           "check_output_region", "write_output"]
+
+SharedMemoryRef = tuple[str, int, int]
+"""(region name, offset, byte size) of a tensor kept in shared memory, as a request names it."""
 
 SHM_ROOT = Path("/dev/shm")
 """Where Linux keeps ``shm_open``'s objects: key ``/name`` is the file ``/dev/shm/name``."""
@@ -206,3 +213,44 @@ class SharedMemoryRegistry:
             raise InvalidInput(f"{what}: {len(data)} bytes do not fit the {byte_size} bytes given in "
                                f"shared memory region '{region_name}'")
         self._slice(region_name, offset, byte_size, what)[:len(data)] = data
+
+
+# ---- what both front ends do with a tensor that names a region ------------------------------------
+
+def enabled(registry: SharedMemoryRegistry | None) -> SharedMemoryRegistry:
+    """The registry for a register/status/unregister call; UNAVAILABLE when the server turned it off."""
+    if registry is None:
+        raise Unavailable("system shared memory is disabled on this server (sixfold-serve --no-shared-memory)")
+    return registry
+
+
+def tensor_from_region(registry: SharedMemoryRegistry | None, ref: SharedMemoryRef, dtype: np.dtype,
+                       shape: Sequence[int], datatype: str, what: str) -> np.ndarray:
+    """An input as a read-only view of its region, after checking its byte size against its shape."""
+    if registry is None:
+        raise InvalidInput(f"{what}: this server does not accept shared memory inputs")
+    region, offset, byte_size = ref
+    need = math.prod(shape) * dtype.itemsize
+    if byte_size != need:
+        raise InvalidInput(f"{what}: shared_memory_byte_size is {byte_size} but shape {list(shape)} of "
+                           f"{datatype} needs {need}")
+    return np.ndarray(tuple(shape), dtype, registry.read(region, offset, byte_size, what=what))
+
+
+def check_output_region(registry: SharedMemoryRegistry | None, ref: SharedMemoryRef, what: str) -> None:
+    """Refuse, before any work, an output whose region does not exist or cannot hold its bytes."""
+    if registry is None:
+        raise InvalidInput(f"{what}: this server does not accept shared memory outputs")
+    registry.check(*ref, what=what)
+
+
+def write_output(registry: SharedMemoryRegistry | None, ref: SharedMemoryRef, array: np.ndarray,
+                 what: str) -> dict[str, str | int]:
+    """Write an output into its region; returns the parameters its response tensor carries."""
+    assert registry is not None  # check_output_region refused the request otherwise
+    region, offset, byte_size = ref
+    registry.write(region, offset, byte_size, np.ascontiguousarray(array).data.cast("B"), what=what)
+    parameters: dict[str, str | int] = {"shared_memory_region": region, "shared_memory_byte_size": array.nbytes}
+    if offset:
+        parameters["shared_memory_offset"] = offset
+    return parameters
