@@ -62,6 +62,7 @@ from .api import Arrays, Backend, BackendError, Executable, PartitionArtifact
 from .memory import check_fits
 from .options import reject_unknown
 from .spec import DeviceSpec
+from .table_store import IO_THREADS
 
 __all__ = [
     "PRECISIONS", "Layout", "HostEmbeddingStage", "HostEmbeddingBackend", "HostEmbeddingExecutable",
@@ -140,7 +141,7 @@ class HostEmbeddingStage:
     def __init__(self, tables: Sequence[Any] | str | Path, precision: str | Sequence[str] = "fp32", *,
                  layout: Layout = "fused", cache: bool = True, check_ids: bool = True,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu", item_ids: int = 1,
-                 io_threads: int = 32) -> None:
+                 io_threads: int = IO_THREADS) -> None:
         import torch
 
         if layout not in ("fused", "per-table"):
@@ -757,7 +758,7 @@ class HostEmbeddingBackend(Backend):
                                        layout=meta.get("layout", "fused"), cache=meta.get("cache", True),
                                        check_ids=self.check_ids, table_memory=meta.get("table_memory"),
                                        cache_policy=meta.get("cache_policy", "tinylfu"),
-                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", 32))
+                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", IO_THREADS))
         except (ValueError, FileNotFoundError) as exc:
             raise BackendError(f"partition {artifact.name}: {exc}") from exc
         return HostEmbeddingExecutable(artifact, device, stage)

@@ -76,11 +76,13 @@ _INDEX_BYTES = 4
 READ_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """Upper bounds (seconds) of the read-time histogram: one batch's misses read together."""
 LOG_EVERY_BATCHES = 1000
+"""The hit rate is logged (INFO) every this many batches that read from disk."""
 SKETCH_HASHES = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 """Multipliers of the admission sketch's hashes (one counter each per row; a row's count is their minimum)."""
 ADMIT_MISSES = 4
 """``tinylfu`` admits a missed row (once the cache is full) when the sketch has counted this many misses of it."""
-"""The hit rate is logged (INFO) every this many batches that read from disk."""
+IO_THREADS = 32
+"""Readers of one batch's misses by default: the depth ``sixfold-partition calibrate`` measures the disk at."""
 
 
 _SKETCH_MULTIPLIERS = np.asarray(SKETCH_HASHES, np.int64)[:, None]
@@ -219,7 +221,7 @@ class TieredRows:
     """
 
     def __init__(self, files: Sequence[str | Path | TableFile], budget: int, *, policy: Policy = "tinylfu",
-                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = 32,
+                 min_staging_rows: int = 1, staging_share: float = 0.125, io_threads: int = IO_THREADS,
                  direct: bool = True, ways: int = 8) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; known: {', '.join(POLICIES)}")
