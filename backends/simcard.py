@@ -26,7 +26,8 @@ before every later batch fails), ``hang`` (those batches never finish instead;
 with no ``crash_after``, every batch hangs), ``stall_s`` (those batches answer
 that many seconds late instead: a stalled card that recovers; with no
 ``crash_after``, every batch stalls) and ``slow_factor`` (service time
-multiplier, e.g. a throttled card).
+multiplier, e.g. a throttled card). ``shared_timelines`` (a folder) makes the copies of a card in
+several processes one card (``backends.shared_timeline``): ``sixfold-serve --workers N`` sets it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import numpy as np
 from .api import Arrays, Backend, BackendError, Executable, PartitionArtifact
 from .memory import check_fits, format_bytes
 from .options import int_option, reject_unknown
+from .shared_timeline import SharedTimeline, payload_digest
 from .spec import DeviceSpec
 
 __all__ = ["SimCardBackend", "SimCardExecutable", "SimCardStats", "Faults", "service_seconds"]
@@ -136,6 +138,8 @@ class SimCardExecutable(Executable):
         self._accepted = 0
         self._stats = SimCardStats()
         self._closed = False
+        self._timeline = SharedTimeline(backend.shared_timelines, device.name, artifact.name,
+                                        payload_digest(artifact.payload)) if backend.shared_timelines else None
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> Arrays:
         """The functional backend's outputs, without the card's timing."""
@@ -161,7 +165,10 @@ class SimCardExecutable(Executable):
         out_bytes = sum(int(np.asarray(v).nbytes) for v in outputs.values())
         service = service_seconds(self.device, self.artifact, rows, in_bytes, out_bytes) * self.faults.slow_factor
         with self._lock:
-            finish = max(arrival, self._busy_until) + service
+            if self._timeline is not None:  # the card's copies in other processes have their batches on it too
+                finish = self._timeline.advance(arrival, service)
+            else:
+                finish = max(arrival, self._busy_until) + service
             self._busy_until = finish
             lag = max(0.0, t1 - finish)
             s = self._stats
@@ -212,9 +219,9 @@ class SimCardExecutable(Executable):
 
     @property
     def busy_until(self) -> float:
-        """When the modelled card finishes the work it has accepted so far."""
+        """When the modelled card finishes the work it has accepted so far (from any process sharing it)."""
         with self._lock:
-            return self._busy_until
+            return self._timeline.busy_until if self._timeline is not None else self._busy_until
 
     def close(self) -> None:
         """Stop the worker, close the functional executable and give back this card's memory (idempotent)."""
@@ -223,6 +230,8 @@ class SimCardExecutable(Executable):
         self._closed = True
         super().close()
         self.inner.close()
+        if self._timeline is not None:
+            self._timeline.close()
         self._backend._release(self.device.name, self._slot)
 
 
@@ -231,7 +240,8 @@ class SimCardBackend(Backend):
 
     Options: ``functional`` (a backend name, default "onnxruntime", or a Backend
     instance), ``clock`` (default ``time.monotonic``), ``sleep`` (default
-    ``asyncio.sleep``), ``faults`` (dict, see the module docstring); any other
+    ``asyncio.sleep``), ``faults`` (dict, see the module docstring), ``shared_timelines``
+    (a folder: each card's modelled time shared with other processes); any other
     option is passed to the functional backend when it is given by name.
     Memory is budgeted per device *name* within one instance.
     """
@@ -241,8 +251,10 @@ class SimCardBackend(Backend):
 
     def __init__(self, *, functional: str | Backend = "onnxruntime", clock: Clock = time.monotonic,
                  sleep: Sleep = asyncio.sleep, faults: Mapping[str, Any] | None = None,
-                 **functional_options: Any) -> None:
-        super().__init__(functional=functional, clock=clock, sleep=sleep, faults=faults, **functional_options)
+                 shared_timelines: str | None = None, **functional_options: Any) -> None:
+        super().__init__(functional=functional, clock=clock, sleep=sleep, faults=faults,
+                         shared_timelines=shared_timelines, **functional_options)
+        self.shared_timelines = shared_timelines
         if isinstance(functional, Backend):
             if functional_options:
                 raise BackendError(f"backend simcard: options {', '.join(sorted(functional_options))} are for "

@@ -23,7 +23,15 @@ CPU per request, of the server (/proc) and of perf_analyzer (rusage), over the w
 perf_analyzer run divided by the requests ModelStatistics counted, says where a 2-core
 machine's time goes.
 
+Several front-end processes (``--workers 1 2 4``: ``sixfold-serve --workers N``, N processes on one
+port) and several echo processes on one port (``--echo-processes 1 4``) are measured side by side;
+the first echo server is every ratio's baseline. Their CPU is summed over all their processes, their
+requests over each process's statistics (sixfold's workers and the echo processes answer them on
+Unix sockets of their own). ``--concurrency`` sets perf_analyzer's; ``--perf-analyzer`` another copy
+of it (a lent machine without the shared tools).
+
     .venv/bin/python bench/serving_overhead.py              # writes the section into BENCHMARKS.md
+    .venv/bin/python bench/serving_overhead.py --workers 1 2 4 8 --echo-processes 1 4 --concurrency 64 --no-write
     .venv/bin/python bench/serving_overhead.py --quick --no-write
     .venv/bin/python bench/serving_overhead.py --serve-arg=--max-queue-delay-us=0   # other sixfold flags
     .venv/bin/python bench/serving_overhead.py --echo-server --port 0 --model-from 127.0.0.1:8001
@@ -35,6 +43,7 @@ import argparse
 import csv
 import os
 import platform
+import re
 import resource
 import signal
 import statistics
@@ -58,7 +67,6 @@ TOOL = ROOT.parent / "shared" / "tools" / "perf_analyzer"
 MODEL = "tiny"
 CONCURRENCY = 16
 GOAL = 0.8
-SERVERS = ("sixfold", "echo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +144,7 @@ def _model_protos(url: str, model: str):
                 stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=30))
 
 
-async def _serve_echo(host: str, port: int, metadata, config) -> None:
+async def _serve_echo(host: str, port: int, metadata, config, stats_socket: str | None = None) -> None:
     import asyncio
 
     import grpc
@@ -146,7 +154,9 @@ async def _serve_echo(host: str, port: int, metadata, config) -> None:
     options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
     server = grpc.aio.server(options=options)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_echo_servicer(metadata, config), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(f"{host}:{port}")  # grpc's default SO_REUSEPORT: several echo processes share it
+    if stats_socket:  # the driver counts each process's requests here, whichever of them a channel reached
+        server.add_insecure_port(f"unix:{stats_socket}")
     await server.start()
     print(f"{READY_PREFIX}{host}:{bound}", flush=True)
     stop = asyncio.Event()
@@ -157,11 +167,11 @@ async def _serve_echo(host: str, port: int, metadata, config) -> None:
     await server.stop(0.5)
 
 
-def echo_main(host: str, port: int, model_from: str, model: str) -> int:
+def echo_main(host: str, port: int, model_from: str, model: str, stats_socket: str | None = None) -> int:
     import uvloop
 
     metadata, config = _model_protos(model_from, model)
-    uvloop.run(_serve_echo(host, port, metadata, config))
+    uvloop.run(_serve_echo(host, port, metadata, config, stats_socket))
     return 0
 
 
@@ -182,11 +192,66 @@ class Child(ReadyProcess):
             self.stop()
             raise RuntimeError(f"{name} did not start:\n" + "".join(self.lines[-30:]))
 
-    def cpu_s(self) -> float:
-        """CPU seconds (user + system, all threads) the process has used so far."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Server:
+    """One server under test: its processes (a supervisor and its workers, or N echo processes on one
+    port), their CPU together, and the requests they answered together."""
+
+    def __init__(self, name: str, children: list[Child], *, pids: list[int], stats_urls: list[str]) -> None:
+        self.name, self.children, self.pids, self.stats_urls = name, children, pids, stats_urls
+        self.url = children[0].url
+
+    def cpu_s(self) -> float:
+        return sum(cpu_s(pid) for pid in self.pids)
+
+    def successes(self) -> int:
+        return sum(successes(url, MODEL) for url in self.stats_urls)
+
+    def stop(self) -> None:
+        for child in self.children[::-1]:
+            child.stop()
+
+
+def start_sixfold(name: str, workers: int, serve_args: list[str], workdir: Path) -> Server:
+    """``sixfold-serve --model tiny --cards 6`` with ``workers`` workers; requests counted per worker."""
+    cmd = [sys.executable, "-m", "server.cli", "--model", MODEL, "--cards", "6", "--grpc-port", "0",
+           "--metrics-port", "-1", "--http-port", "-1", "--drain-seconds", "0", "--workers", str(workers), *serve_args]
+    child = Child(name, cmd)
+    if workers == 1:
+        return Server(name, [child], pids=[child.pid], stats_urls=[child.url])
+    pids = [int(pid) for pid in re.findall(r"worker \d+ pid (\d+)", child.output)]
+    folder = re.search(r"workers share .* run folder (\S+)", child.output)
+    sockets = [f"unix:{folder.group(1)}/worker-{i}.sock" for i in range(workers)] if folder else []
+    return Server(name, [child], pids=[child.pid, *pids], stats_urls=sockets)
+
+
+def start_echo(name: str, processes: int, model_from: str, workdir: Path) -> Server:
+    """``processes`` echo servers on one port (the first picks it), each counting on its own Unix socket."""
+    children: list[Child] = []
+    port = 0
+    try:
+        for i in range(processes):
+            stats = workdir / f"{name}-{i}.sock"
+            children.append(Child(f"{name}-{i}", [sys.executable, str(Path(__file__).resolve()), "--echo-server",
+                                                  "--port", str(port), "--model-from", model_from,
+                                                  "--stats-socket", str(stats)]))
+            port = int(children[0].url.rsplit(":", 1)[1])
+    except BaseException:
+        for child in children:
+            child.stop()
+        raise
+    return Server(name, children, pids=[c.pid for c in children],
+                  stats_urls=[f"unix:{workdir / f'{name}-{i}.sock'}" for i in range(processes)])
 
 
 def children_cpu_s() -> float:
@@ -225,10 +290,11 @@ class Run:
     client_cpu_us_per_req: float | None  # perf_analyzer's own CPU per request, the same way
 
 
-def perf_analyzer(url: str, data: Path, csv_path: Path, interval_ms: int, trials: int) -> tuple[float, float, float]:
-    """One perf_analyzer run at concurrency 16: (infer/s, p50 us, p99 us) from its CSV report."""
+def perf_analyzer(url: str, data: Path, csv_path: Path, interval_ms: int, trials: int,
+                  concurrency: int = CONCURRENCY) -> tuple[float, float, float]:
+    """One perf_analyzer run at ``concurrency``: (infer/s, p50 us, p99 us) from its CSV report."""
     cmd = [str(TOOL), "-m", MODEL, "-i", "grpc", "-u", url, "--input-data", str(data),
-           "--concurrency-range", f"{CONCURRENCY}", "--measurement-interval", str(interval_ms),
+           "--concurrency-range", f"{concurrency}", "--measurement-interval", str(interval_ms),
            # NOTE: max/min within 1000% always holds: the run is exactly ``trials`` windows and
            # never aborts as unstable on a noisy shared machine (medians over runs smooth it).
            "--stability-percentage", "1000", "--max-trials", str(trials), "-f", str(csv_path)]
@@ -249,89 +315,111 @@ def perf_analyzer(url: str, data: Path, csv_path: Path, interval_ms: int, trials
 
 @dataclass
 class Result:
-    runs: dict[str, list[Run]] = field(default_factory=lambda: {s: [] for s in SERVERS})
+    names: list[str]
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.runs = {name: [] for name in self.names}
 
     def median(self, server: str, key: str) -> float:
         values = [getattr(r, key) for r in self.runs[server] if getattr(r, key) is not None]
         return statistics.median(values) if values else float("nan")
 
-    def ratios(self) -> list[float]:
-        return [s.infer_per_s / e.infer_per_s for s, e in zip(self.runs["sixfold"], self.runs["echo"])]
+    def ratios(self, server: str = "sixfold", baseline: str = "echo") -> list[float]:
+        return [s.infer_per_s / e.infer_per_s for s, e in zip(self.runs[server], self.runs[baseline])]
+
+
+def sixfold_name(workers: int) -> str:
+    return "sixfold" if workers == 1 else f"sixfold x{workers}"
+
+
+def echo_name(processes: int) -> str:
+    return "echo" if processes == 1 else f"echo x{processes}"
 
 
 def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: Path,
-          serve_args: list[str] = ()) -> dict[int, Result]:
-    servers: dict[str, Child] = {}
+          serve_args: list[str] = (), workers: list[int] = (1,), echo_processes: list[int] = (1,),
+          concurrency: int = CONCURRENCY) -> dict[int, Result]:
+    servers: dict[str, Server] = {}
     try:
-        servers["sixfold"] = Child("sixfold", [str(Path(sys.executable).parent / "sixfold-serve"), "--model", MODEL,
-                                               "--cards", "6", "--grpc-port", "0", "--metrics-port", "-1",
-                                               "--http-port", "-1", "--drain-seconds", "0", *serve_args])
-        servers["echo"] = Child("echo", [sys.executable, str(Path(__file__).resolve()), "--echo-server",
-                                         "--port", "0", "--model-from", servers["sixfold"].url])
+        for w in workers:
+            servers[sixfold_name(w)] = start_sixfold(sixfold_name(w), w, list(serve_args), workdir)
+        model_from = next(iter(servers.values())).url
+        for e in echo_processes:
+            servers[echo_name(e)] = start_echo(echo_name(e).replace(" ", ""), e, model_from, workdir)
+        names = list(servers)
         data = {n: write_input_data(n, workdir / f"input-{n}.json") for n in sizes}
         csv_path = workdir / "pa.csv"
-        for name, child in servers.items():  # warm up: connections, allocator, sixfold's first batches
-            perf_analyzer(child.url, data[sizes[0]], csv_path, min(interval_ms, 500), 3)
+        for name, server in servers.items():  # warm up: connections, allocator, sixfold's first batches
+            perf_analyzer(server.url, data[sizes[0]], csv_path, min(interval_ms, 500), 3, concurrency)
             print(f"  warmed up {name}", file=sys.stderr)
-        results = {n: Result() for n in sizes}
+        results = {n: Result(names) for n in sizes}
         for r in range(runs):
             for n in sizes:
-                order = SERVERS if (r + sizes.index(n)) % 2 == 0 else SERVERS[::-1]
+                order = names if (r + sizes.index(n)) % 2 == 0 else names[::-1]
                 for name in order:
-                    child = servers[name]
-                    count0, cpu0, client0 = successes(child.url, MODEL), child.cpu_s(), children_cpu_s()
-                    ips, p50, p99 = perf_analyzer(child.url, data[n], csv_path, interval_ms, trials)
-                    cpu, client = child.cpu_s() - cpu0, children_cpu_s() - client0
-                    count = successes(child.url, MODEL) - count0
+                    server = servers[name]
+                    count0, cpu0, client0 = server.successes(), server.cpu_s(), children_cpu_s()
+                    ips, p50, p99 = perf_analyzer(server.url, data[n], csv_path, interval_ms, trials, concurrency)
+                    cpu, client = server.cpu_s() - cpu0, children_cpu_s() - client0
+                    count = server.successes() - count0
                     per_req = (lambda s: s / count * 1e6) if count > 0 else (lambda s: None)
                     results[n].runs[name].append(Run(ips, p50, p99, per_req(cpu), per_req(client)))
-                print(f"  run {r + 1}/{runs} items={n}: sixfold {results[n].runs['sixfold'][-1].infer_per_s:,.0f}, "
-                      f"echo {results[n].runs['echo'][-1].infer_per_s:,.0f} infer/s", file=sys.stderr)
+                print(f"  run {r + 1}/{runs} items={n}: " + ", ".join(
+                    f"{name} {results[n].runs[name][-1].infer_per_s:,.0f}" for name in names) + " infer/s",
+                    file=sys.stderr)
         return results
     finally:
-        for child in servers.values():
-            child.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def format_section(results: dict[int, Result], args: argparse.Namespace, argv: list[str], wall: float) -> str:
     import grpc
 
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-               f"grpcio {grpc.__version__}, perf_analyzer 2.41.0, {time.strftime('%Y-%m-%d')}")
+               f"grpcio {grpc.__version__}, perf_analyzer 2.41.0, {time.strftime('%Y-%m-%d')}, "
+               f"load average {os.getloadavg()[0]:.2f} at the end")
     runs = args.runs
     serve = " ".join(["sixfold-serve --model tiny --cards 6", *args.serve_arg])
+    names = next(iter(results.values())).names
+    baseline = echo_name(args.echo_processes[0])
     lines = [
         "## Serving overhead (sixfold on `tiny` vs a bare grpc.aio echo server)",
         "",
         f"Command: `{(COMMAND + ' ' + ' '.join(argv)).strip()}` ({wall:.0f} s; {machine}).",
-        f"perf_analyzer `--concurrency-range {CONCURRENCY}` (sync, 16 client threads) on the same machine, "
-        f"{args.trials} windows of {args.interval_ms} ms per run; servers interleaved, order rotated every run; "
-        f"medians of {runs} runs, the ratio is the median of per-run ratios. Each server is its own process "
-        f"(`{serve}`; the echo server: `bench/serving_overhead.py --echo-server`). "
+        f"perf_analyzer `--concurrency-range {args.concurrency}` (sync, {args.concurrency} client threads) on the "
+        f"same machine, {args.trials} windows of {args.interval_ms} ms per run; servers interleaved, order rotated "
+        f"every run; medians of {runs} runs, the ratio is the median of per-run ratios. Each server is its own "
+        f"process (`{serve}`, `--workers N` for sixfold xN: N processes on one port; the echo server: "
+        f"`bench/serving_overhead.py --echo-server`, echo xN: N of them on one port). "
         f"Queries: 8 seeded `RequestGenerator` queries of the given size, cycled. "
         f"CPU columns: CPU time (user + system) over the whole perf_analyzer run divided by the requests "
-        f"the server answered in it (server: /proc; perf_analyzer: rusage of the finished child).",
+        f"the server answered in it (server: /proc, all its processes; perf_analyzer: rusage of the finished child).",
         "",
         "| items/query | server | infer/s per run | infer/s (median) | p50 ms | p99 ms | server CPU us/request "
-        "| perf_analyzer CPU us/request | sixfold / echo (median of per-run ratios) |",
+        f"| perf_analyzer CPU us/request | / {baseline} (median of per-run ratios) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for n, res in results.items():
-        ratio = statistics.median(res.ratios())
-        for name in SERVERS:
+        for name in names:
             per_run = ", ".join(f"{r.infer_per_s:,.0f}" for r in res.runs[name])
             cpu, client = res.median(name, "cpu_us_per_req"), res.median(name, "client_cpu_us_per_req")
+            ratio = statistics.median(res.ratios(name, baseline)) if name != baseline else None
             lines.append(f"| {n} | {name} | {per_run} | {res.median(name, 'infer_per_s'):,.0f} "
                          f"| {res.median(name, 'p50_us') / 1e3:.2f} | {res.median(name, 'p99_us') / 1e3:.2f} "
-                         f"| {cpu:,.0f} | {client:,.0f} | {f'**{ratio:.3f}**' if name == 'sixfold' else ''} |")
-        verdicts.append(f"{ratio:.3f} at {n} item(s)/query ({'met' if ratio >= GOAL else 'NOT met'})")
-    per_run = "; ".join(f"{n} item(s): " + ", ".join(f"{x:.3f}" for x in res.ratios()) for n, res in results.items())
-    lines += ["", f"Goal: sixfold / echo throughput >= {GOAL}: {'; '.join(verdicts)}. Per-run ratios: {per_run}."]
+                         f"| {cpu:,.0f} | {client:,.0f} | {f'**{ratio:.3f}**' if ratio is not None else ''} |")
+            if name.startswith("sixfold"):
+                verdicts.append(f"{name} {ratio:.3f} at {n} item(s)/query ({'met' if ratio >= GOAL else 'NOT met'})")
+    per_run = "; ".join(f"{name}, {n} item(s): " + ", ".join(f"{x:.3f}" for x in res.ratios(name, baseline))
+                        for n, res in results.items() for name in names if name.startswith("sixfold"))
+    lines += ["", f"Goal: sixfold / {baseline} throughput >= {GOAL}: {'; '.join(verdicts)}. Per-run ratios: {per_run}."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TOOL
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="perf_analyzer runs per server and size (median reported)")
@@ -349,20 +437,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-from", metavar="HOST:PORT",
                         help="with --echo-server: copy the model's metadata and config from this KServe v2 server")
     parser.add_argument("--model", default=MODEL, help="with --echo-server: the model to copy and answer for")
+    parser.add_argument("--stats-socket", help="with --echo-server: also serve on this Unix socket (request counts)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], metavar="N",
+                        help="sixfold servers to measure, by worker processes (sixfold-serve --workers N; default 1)")
+    parser.add_argument("--echo-processes", type=int, nargs="+", default=[1], metavar="N",
+                        help="echo servers to measure, by processes on one port (default 1); the first is the "
+                             "baseline of the ratios")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
+                        help=f"perf_analyzer's concurrency (default {CONCURRENCY})")
+    parser.add_argument("--perf-analyzer", type=Path, default=None, help=f"perf_analyzer command (default {TOOL})")
     args = parser.parse_args(argv)
     if args.echo_server:
         if not args.model_from:
             parser.error("--echo-server needs --model-from HOST:PORT (a running sixfold-serve)")
-        return echo_main(args.host, args.port, args.model_from, args.model)
+        return echo_main(args.host, args.port, args.model_from, args.model, args.stats_socket)
     if args.quick:
         args.runs, args.items, args.interval_ms = 2, [1], 500
     args.trials = max(args.trials, 3)
+    TOOL = args.perf_analyzer or TOOL
     if not TOOL.exists():
-        print(f"serving_overhead: skipped: perf_analyzer wrapper not found at {TOOL}", file=sys.stderr)
+        print(f"serving_overhead: skipped: perf_analyzer not found at {TOOL}", file=sys.stderr)
         return 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
-        results = bench(args.items, args.runs, args.interval_ms, args.trials, Path(tmp), args.serve_arg)
+        results = bench(args.items, args.runs, args.interval_ms, args.trials, Path(tmp), args.serve_arg,
+                        args.workers, args.echo_processes, args.concurrency)
     text = format_section(results, args, argv, time.perf_counter() - t0)
     publish(SECTION, text, write=not args.no_write)
     return 0

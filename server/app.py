@@ -26,6 +26,7 @@ from .infer_request import parse_model_infer
 from .metrics import ServerMetrics
 from .runtime import single_threaded_ops_here
 from .servicer import InferenceServicer
+from .siblings import Siblings, WorkerSet
 from .warmup import warm_up
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
@@ -70,6 +71,10 @@ class ServerConfig:
     shared_memory: bool = True
     """Accept Triton's system shared memory extension: co-located clients register /dev/shm
     segments and send tensors by region (``server.shared_memory``); False refuses it."""
+    workers: WorkerSet | None = None
+    """Set in each worker of ``sixfold-serve --workers N`` (``server.workers``): the port is shared
+    with the siblings (SO_REUSEPORT), and changes are told to them (``server.siblings``). None: this
+    process alone binds the port, and a busy port is an error."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -105,8 +110,12 @@ class SixfoldServer:
     async def start(self) -> int:
         single_threaded_ops_here()  # the event loop runs small batches inline (server.runtime.StageRunner)
         keep_freed_memory()  # stage workers reuse their batch buffers (sixfold-serve sets it before any thread)
+        workers = self.config.workers
+        # NOTE: gRPC sets SO_REUSEPORT by default, so a second server on a busy port would bind it silently
+        # and take half its connections; only the workers of one server share a port.
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
-                   ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+                   ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                   ("grpc.so_reuseport", int(workers is not None))]
         if self.config.warmup:  # before the port opens: the first requests find the models warm
             for model in self.core.all_versions():
                 if not model.warmed_up:
@@ -122,20 +131,30 @@ class SixfoldServer:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.config.host}:{self.config.grpc_port}"
-        if self.config.tls_cert and self.config.tls_key:
-            with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
-                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-            self.port = server.add_secure_port(address, credentials)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.config.tls_cert and self.config.tls_key:
+                with open(self.config.tls_key, "rb") as key, open(self.config.tls_cert, "rb") as cert:
+                    credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises on a busy port (older versions returned 0)
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port}")
+            raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port} (is another server on it?)")
+        if workers is not None:  # the siblings tell this worker what they changed, over its own socket
+            try:
+                server.add_insecure_port(workers.address)
+            except RuntimeError:
+                raise OSError(f"could not bind {workers.address}") from None
+            self.core.siblings = Siblings(workers, self.config.control_token)
         await server.start()
         if self.config.http_port is not None:
             app = build_app(self.core, max_body_bytes=self.config.max_message_bytes,
                             control_token=self.config.control_token, metrics=self.metrics)
             self._rest = RestServer(app, self.config.host, self.config.http_port, tls_cert=self.config.tls_cert,
-                                    tls_key=self.config.tls_key, grace_seconds=self.config.grace_seconds)
+                                    tls_key=self.config.tls_key, grace_seconds=self.config.grace_seconds,
+                                    reuse_port=workers is not None)
             try:
                 self.http_port = await self._rest.start()
             except BaseException:
@@ -177,6 +196,8 @@ class SixfoldServer:
             await self._rest.stop()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
+        if self.core.siblings is not None:
+            await self.core.siblings.close()
         if self.metrics_port is not None:
             self.metrics.close()
             self.metrics_port = None

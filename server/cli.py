@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -23,6 +24,8 @@ from .logs import configure_logging
 from .metrics import ServerMetrics
 from .process import READY_PREFIX
 from .runtime import DEFAULT_MIN_SPLIT_ROWS
+from .siblings import WorkerSet
+from .workers import follow_supervisor, worker_ports_line
 
 __all__ = ["main"]
 
@@ -76,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watch-deltas", metavar="DIR",
                    help="apply table-delta folders that appear in DIR, in sequence order, to the repository "
                         "models they name (docs/deltas.md); a bad one is logged and skipped")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes sharing the ports and the cards, each with its own event loop "
+                        "(default 1; see docs/workers.md)")
+    p.add_argument("--as-worker", default=None, help=argparse.SUPPRESS)  # FOLDER:INDEX:COUNT, set by --workers
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
     p.add_argument("--http-port", type=int, default=8000,
@@ -149,6 +156,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _worker_set(text: str | None) -> WorkerSet | None:
+    if text is None:
+        return None
+    folder, index, count = text.rsplit(":", 2)
+    return WorkerSet(Path(folder), int(index), int(count))
+
+
 def _table_memory(text: str) -> int | float:
     from backends.table_store import parse_table_memory
     try:
@@ -188,6 +202,10 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         args.card_spec = _default_card_spec(args.backend)
     backend_options = load_options_file(args.backend_options_file) if args.backend_options_file else {}
     backend_options.update(parse_option(text) for text in args.backend_option)
+    workers = _worker_set(args.as_worker)
+    if workers is not None and args.backend == "simcard":  # the workers' copies of a card are one card
+        backend_options.setdefault("shared_timelines", str(workers.timelines))
+    quiet = workers is not None and workers.index > 0  # worker 0 explains the plan for all
     metrics = ServerMetrics()
     batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
                               max_queue_delay_microseconds=args.max_queue_delay_us,
@@ -205,7 +223,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           control_token=args.control_token or None, metrics_token=args.metrics_token or None,
                           drain_seconds=args.drain_seconds, warmup=not args.no_warmup,
-                          shared_memory=not args.no_shared_memory)
+                          shared_memory=not args.no_shared_memory, workers=workers)
     served_models = []
     if args.model:
         with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
@@ -220,7 +238,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
                 table_memory=args.table_memory, cache_policy=args.table_cache_policy,
                 host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from)
-        print_plan(served.plan, console)
+        if not quiet:
+            print_plan(served.plan, console)
         served_models.append(served)
     core = InferenceCore(served_models)
     if args.model_repository:
@@ -249,7 +268,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         for name in names:
             with console.status(f"loading {name} from {args.model_repository}..."):
                 await control.load(name)
-            print_plan(core.model(name).plan, console)
+            if not quiet:
+                print_plan(core.model(name).plan, console)
     if not core.versions and args.model_control_mode != "explicit":
         raise ValueError(f"no model to serve: {args.model_repository} has no model folders")
     if args.watch_deltas and not args.model_repository:
@@ -262,7 +282,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         watcher = DeltaWatcher(core, args.watch_deltas)
         watcher.start()
     scheme = "https" if config.tls_cert else "http"
-    metrics_at = f"{scheme}://{args.host}:{config.metrics_port}/metrics" if config.metrics_port is not None else "off"
+    metrics_at = f"{scheme}://{args.host}:{server.metrics_port}/metrics" if server.metrics_port is not None else "off"
     serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
                         for m in core.all_versions())
     rest_at = f"{scheme}://{args.host}:{server.http_port}/v2" if server.http_port is not None else "off"
@@ -278,6 +298,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # before READY: a caller may signal as soon as it reads it
         loop.add_signal_handler(sig, on_signal)
+    if workers is not None:  # the supervisor starts the other workers on the ports this one bound
+        console.print(worker_ports_line(port, server.http_port, server.metrics_port), highlight=False)
     console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
     await stop.wait()
     if args.drain_seconds > 0:
@@ -293,6 +315,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.as_worker is not None:
+        follow_supervisor()
     keep_freed_memory()  # first: it binds only threads that have not allocated yet (server.allocator)
     configure_logging(args.log_level, args.log_format)
     console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
@@ -307,6 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model and not args.model_repository:
         print("sixfold-serve: give --model NAME or --model-repository REPO (or --list-backends)", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print(f"sixfold-serve: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.workers > 1 and args.watch_deltas:
+        print("sixfold-serve: --watch-deltas needs --workers 1 (each worker holds its own tables, and one delta "
+              "log is kept per version)", file=sys.stderr)
+        return 2
+    if args.workers > 1 and args.as_worker is None:
+        from .workers import serve_workers
+        return serve_workers(argv if argv is not None else sys.argv[1:], args.workers, host=args.host,
+                             grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
+                             print_line=lambda text: print(text, flush=True))
     try:
         import uvloop
         run = uvloop.run

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .errors import ModelNotFound, Unavailable
 from .model import ServedModel
 from .shared_memory import SharedMemoryRegistry
+
+if TYPE_CHECKING:  # the core holds its siblings; only the front ends' setup makes them (transport code)
+    from .siblings import Siblings
 
 __all__ = ["InferenceCore"]
 
@@ -38,6 +42,13 @@ class InferenceCore:
         """A ModelControl when the server has a model repository (RepositoryIndex/Load/Unload)."""
         self.shared_memory: SharedMemoryRegistry | None = SharedMemoryRegistry()
         """System shared memory regions clients registered (Triton's extension); None: refused."""
+        self.siblings: Siblings | None = None
+        """The other workers of this server (``sixfold-serve --workers N``); None: this process alone."""
+
+    async def tell_siblings(self, method: str, request: object) -> None:
+        """After this worker changed what it holds: make the same change in every sibling worker."""
+        if self.siblings is not None:
+            await self.siblings.tell(method, request)
 
     def rpc_started(self) -> None:
         self.active_rpcs += 1

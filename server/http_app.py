@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from tritonclient.grpc import service_pb2
 
 from . import __version__, deltas
 from .core import InferenceCore
@@ -279,12 +280,17 @@ class _Routes:
         key = body.get("key")
         if not isinstance(key, str):
             raise InvalidInput(f"register: 'key' must be a string, got {key!r}")
-        registry.register(request.path_params["region"], key, body.get("offset", 0), body.get("byte_size"))
+        status = registry.register(request.path_params["region"], key, body.get("offset", 0), body.get("byte_size"))
+        await self.core.tell_siblings("SystemSharedMemoryRegister", service_pb2.SystemSharedMemoryRegisterRequest(
+            name=status.name, key=status.key, offset=status.offset, byte_size=status.byte_size))
         return Response(status_code=200)
 
     @_rest_errors
     async def shm_unregister(self, request: Request) -> Response:
-        enabled(self.core.shared_memory).unregister(request.path_params.get("region", ""))
+        region = request.path_params.get("region", "")
+        enabled(self.core.shared_memory).unregister(region)
+        await self.core.tell_siblings("SystemSharedMemoryUnregister",
+                                      service_pb2.SystemSharedMemoryUnregisterRequest(name=region))
         return Response(status_code=200)
 
     @_rest_errors
@@ -310,7 +316,13 @@ class _Routes:
         if unsupported:
             raise InvalidInput(f"model {action}: 'parameters' {unsupported} are not supported (no config or file "
                                "overrides); sixfold loads what the repository holds")
-        await (control.load(name) if action == "load" else control.unload(name))
+        if action == "load":
+            await control.load(name)
+            await self.core.tell_siblings("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name=name))
+        else:
+            await control.unload(name)
+            await self.core.tell_siblings("RepositoryModelUnload",
+                                          service_pb2.RepositoryModelUnloadRequest(model_name=name))
         return Response(status_code=200)
 
     @_rest_errors

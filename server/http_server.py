@@ -29,11 +29,12 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class RestServer:
-    """uvicorn serving an ASGI app on ``host:port`` (0: a free port), HTTPS when given cert and key."""
+    """uvicorn serving an ASGI app on ``host:port`` (0: a free port), HTTPS when given cert and key;
+    ``reuse_port``: the port is shared with sibling processes (``sixfold-serve --workers``)."""
 
     def __init__(self, app, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
-                 grace_seconds: float = 10.0) -> None:
-        self.host, self.requested_port = host, port
+                 grace_seconds: float = 10.0, reuse_port: bool = False) -> None:
+        self.host, self.requested_port, self.reuse_port = host, port, reuse_port
         self.port: int | None = None
         # NOTE: log_config=None leaves the process's logging alone; uvicorn's own logger only warns.
         # Keep-alive 75 s, not uvicorn's 5: a client (or a load balancer, ALB/nginx idle 60 s) that reuses
@@ -49,7 +50,7 @@ class RestServer:
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
-            return socket.create_server((self.host, self.requested_port), family=family)
+            return socket.create_server((self.host, self.requested_port), family=family, reuse_port=self.reuse_port)
         except OSError as exc:
             raise OSError(f"REST: could not bind {self.host}:{self.requested_port}: {exc.strerror or exc}") from None
 

@@ -26,12 +26,13 @@ class ReadyProcess:
     """
 
     def __init__(self, cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 timeout_s: float = 180.0, echo: Callable[[str], None] | None = None) -> None:
+                 timeout_s: float = 180.0, echo: Callable[[str], None] | None = None,
+                 start_new_session: bool = False) -> None:
         self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, cwd=cwd)
+                                     env=env, cwd=cwd, start_new_session=start_new_session)
         self.lines: list[str] = []
         self.url = ""
-        ready = threading.Event()
+        ready = self._ready = threading.Event()
 
         def pump() -> None:
             for line in self.proc.stdout:  # type: ignore[union-attr]
@@ -45,6 +46,11 @@ class ReadyProcess:
 
         threading.Thread(target=pump, daemon=True).start()
         ready.wait(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        """Wait for the READY line (when constructed with ``timeout_s=0``); ``url``, "" if it did not come."""
+        self._ready.wait(timeout_s)
+        return self.url
 
     @property
     def pid(self) -> int:

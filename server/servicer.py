@@ -25,6 +25,7 @@ from .errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from .model import ServedModel
 from .model_config import to_model_config
 from .shared_memory import check_local_peer, enabled, grpc_peer_host
+from .siblings import from_sibling
 
 __all__ = ["InferenceServicer"]
 
@@ -88,6 +89,11 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise Unauthenticated("model control needs the header 'authorization: Bearer <token>' "
                                       "with the server's --control-token")
         return control
+
+    async def _tell_siblings(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> None:
+        """A change this worker made, made in the other workers too (unless a sibling told it to this one)."""
+        if self.core.siblings is not None and not from_sibling(context.invocation_metadata()):
+            await self.core.tell_siblings(method, request)
 
     @_grpc_errors
     async def ServerLive(self, request, context):
@@ -160,6 +166,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await deltas.serve_request(self.core, request.model_name, delta)
         else:
             await control.load(request.model_name)
+            await self._tell_siblings(context, "RepositoryModelLoad", request)
         return service_pb2.RepositoryModelLoadResponse()
 
     @_grpc_errors
@@ -167,6 +174,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if not request.model_name:
             raise InvalidInput("RepositoryModelUnload: model_name is empty")
         await self._control(context, changes=True).unload(request.model_name)
+        await self._tell_siblings(context, "RepositoryModelUnload", request)
         return service_pb2.RepositoryModelUnloadResponse()
 
     @_grpc_errors
@@ -174,11 +182,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         registry = enabled(self.core.shared_memory)
         check_local_peer(grpc_peer_host(context.peer() or ""))
         registry.register(request.name, request.key, request.offset, request.byte_size)
+        await self._tell_siblings(context, "SystemSharedMemoryRegister", request)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     @_grpc_errors
     async def SystemSharedMemoryUnregister(self, request, context):
         enabled(self.core.shared_memory).unregister(request.name)
+        await self._tell_siblings(context, "SystemSharedMemoryUnregister", request)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     @_grpc_errors
