@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check of the card backends, on a lent GPU machine with no internet (see docs/backends.md).
 #
-# Run from anywhere in the repository with the wheels of what the machine lacks in .whl/ (carried along):
+# Run from anywhere in the repository with the wheels of what the machine lacks in .whl/ and the project's
+# sixfold.egg-info (its entry points register the backends), both carried along:
 #     scripts/device_check.sh [extra bench/cuda_backends.py arguments, e.g. --quick]
 # Installs .whl/*.whl into /tmp/site (no project install: PYTHONPATH is the repo root), prints the
 # versions that matter, checks that the project imports, then runs bench/cuda_backends.py with its
