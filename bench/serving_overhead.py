@@ -339,11 +339,15 @@ def echo_name(processes: int) -> str:
 
 def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: Path,
           serve_args: list[str] = (), workers: list[int] = (1,), echo_processes: list[int] = (1,),
-          concurrency: int = CONCURRENCY) -> dict[int, Result]:
+          concurrency: int = CONCURRENCY, variants: list[str] = ()) -> dict[int, Result]:
     servers: dict[str, Server] = {}
     try:
         for w in workers:
             servers[sixfold_name(w)] = start_sixfold(sixfold_name(w), w, list(serve_args), workdir)
+        for variant in variants:  # LABEL=ARGS: one more sixfold server, side by side with the others
+            label, _, extra = variant.partition("=")
+            name = f"sixfold {label}"
+            servers[name] = start_sixfold(name, 1, [*serve_args, *extra.split()], workdir)
         model_from = next(iter(servers.values())).url
         for e in echo_processes:
             servers[echo_name(e)] = start_echo(echo_name(e).replace(" ", ""), e, model_from, workdir)
@@ -443,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--echo-processes", type=int, nargs="+", default=[1], metavar="N",
                         help="echo servers to measure, by processes on one port (default 1); the first is the "
                              "baseline of the ratios")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                        help="one more sixfold server with these extra sixfold-serve arguments, measured side by "
+                             "side (repeatable), e.g. --variant 'window=--no-idle-dispatch'")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
                         help=f"perf_analyzer's concurrency (default {CONCURRENCY})")
     parser.add_argument("--perf-analyzer", type=Path, default=None, help=f"perf_analyzer command (default {TOOL})")
@@ -461,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
         results = bench(args.items, args.runs, args.interval_ms, args.trials, Path(tmp), args.serve_arg,
-                        args.workers, args.echo_processes, args.concurrency)
+                        args.workers, args.echo_processes, args.concurrency, args.variant)
     text = format_section(results, args, argv, time.perf_counter() - t0)
     publish(SECTION, text, write=not args.no_write)
     return 0

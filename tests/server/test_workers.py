@@ -122,6 +122,17 @@ def test_a_shared_memory_region_registered_through_one_worker_is_known_to_all(tw
             with tc.InferenceServerClient(proc.url) as client:
                 with pytest.raises(InferenceServerException, match="query"):
                     client.infer("tiny", by_region())
+        http_url = re.search(r"share \S+ \(gRPC\) and (\S+) \(REST\)", proc.output).group(1)
+        with th.InferenceServerClient(http_url) as client:  # REST tells the siblings too
+            client.register_system_shared_memory("query", key, nbytes)
+        for _ in range(CHANNELS // 2):
+            with tc.InferenceServerClient(proc.url) as client:
+                np.testing.assert_array_equal(client.infer("tiny", by_region()).as_numpy("scores"), expected)
+        with th.InferenceServerClient(http_url) as client:
+            client.unregister_system_shared_memory("query")
+        for _ in range(CHANNELS // 2):
+            with tc.InferenceServerClient(proc.url) as client:
+                assert not client.get_system_shared_memory_status(as_json=True).get("regions")
     finally:
         shm.destroy_shared_memory_region(handle)
 
