@@ -346,8 +346,9 @@ def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: P
             servers[sixfold_name(w)] = start_sixfold(sixfold_name(w), w, list(serve_args), workdir)
         for variant in variants:  # LABEL=ARGS: one more sixfold server, side by side with the others
             label, _, extra = variant.partition("=")
-            name = f"sixfold {label}"
-            servers[name] = start_sixfold(name, 1, [*serve_args, *extra.split()], workdir)
+            name, words = f"sixfold {label}", extra.split()
+            count = int(words[words.index("--workers") + 1]) if "--workers" in words else 1
+            servers[name] = start_sixfold(name, count, [*serve_args, *words], workdir)
         model_from = next(iter(servers.values())).url
         for e in echo_processes:
             servers[echo_name(e)] = start_echo(echo_name(e).replace(" ", ""), e, model_from, workdir)

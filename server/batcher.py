@@ -16,8 +16,9 @@ Scheduling follows Triton's dynamic batcher, in rows instead of requests:
 * A batch leaves when it is full (``max_batch_rows``, or the next request does
   not fit), when it holds at least ``no_wait_rows`` rows, when it reaches a
   preferred size (``preferred_batch_rows``: it is cut
-  just after the largest preferred size it crosses), or when its oldest request
-  has waited ``max_queue_delay_microseconds``. It is formed only when a batch
+  just after the largest preferred size it crosses), when its oldest request
+  has waited ``max_queue_delay_microseconds``, or (``all_in_dispatch``) when every
+  request the clients keep outstanding is queued or running. It is formed only when a batch
   slot is free (``max_inflight``), so late arrivals of higher priority still
   get in.
 * A queued request whose timeout passes is failed at once with DEADLINE_EXCEEDED
@@ -92,6 +93,8 @@ query is 21 MB) would otherwise trim after every few of them, and each batch aft
 its buffers in again and waits on the trim's arena lock (measured on rm2 at 3 q/s of MLPerf-sized
 queries: host stage of a 700-item query 33.5 -> 21.6 ms median, client p99 171 -> 60 ms). Twice a
 few of the largest queries queued, so a server near its rate keeps its buffers."""
+ALL_IN_HORIZON_S = 0.1
+"""How far back ``all_in_dispatch`` looks for the most requests held at once (many closed-loop cycles)."""
 DEFAULT_NO_WAIT_ROWS = 256
 """A batch this large leaves without waiting out the window: it fills a card (256 rows, the
 default ``max_card_batch_rows``), so a partner would only wait for it."""
@@ -161,6 +164,13 @@ class BatchingConfig:
     batch's fixed costs, which a batch this large dwarfs: MLPerf-sized queries (100..700 items)
     ran one to a batch anyway, each waiting the whole window (2 ms of every request's p50 on
     dlrm-mlperf, bench/latency_breakdown.py)."""
+    all_in_dispatch: bool = False
+    """A batch also leaves, without waiting out the delay, once every request the clients keep
+    outstanding is in it or running: once the requests queued and running reach the most that were
+    in this batcher at once over the last ``ALL_IN_HORIZON_S``. Clients that wait for an answer before
+    they send again (perf_analyzer, a closed loop) then send nothing more until answers go out, and
+    the window would only be latency. Under open-loop traffic the count seldom reaches its recent
+    peak, and batches wait as before. Off here (Triton's semantics); ``sixfold-serve`` turns it on."""
     priority_levels: int = 0
     """Priority levels, 1 the highest (0: priorities off, one queue)."""
     default_priority_level: int = 0
@@ -375,6 +385,12 @@ class DynamicBatcher:
         self._arrivals = 0
         self._trim_quiet_s = trim_quiet_s
         self._running = 0
+        self._running_requests = 0
+        self._waiting = 0
+        """Requests queued, all levels (``queued`` without the walk)."""
+        self._peak, self._peak_at = 0, -math.inf
+        """The most requests queued and running at once, and when that was last reached (all_in_dispatch)."""
+        self._all_in = config.all_in_dispatch
         if config.max_queue_bytes:  # NOTE: a queue bounded below the mark could never reach it
             trim_after_bytes = min(trim_after_bytes, config.max_queue_bytes // 2)
         self._trim, self._trim_after, self._trim_every = trim, trim_after_bytes, trim_every_s
@@ -494,10 +510,17 @@ class DynamicBatcher:
         self._rows += rows
         self._work += cost
         self._bytes += nbytes
+        self._waiting += 1
+        all_in = False
+        if self._all_in:
+            held, now = self._waiting + self._running_requests, item.enqueued
+            if held >= self._peak or now - self._peak_at > ALL_IN_HORIZON_S:
+                self._peak, self._peak_at = held, now
+                all_in = True
         # NOTE: while the batch timer runs, an arrival that cannot fill the batch changes nothing
         # (the oldest request sets the deadline): the loop is not woken to recount the queue,
         # which saves a wake-up and a walk over the queue per request.
-        if not (self._lazy_wake and self._timer is not None and self._rows < self._wake_rows):
+        if all_in or not (self._lazy_wake and self._timer is not None and self._rows < self._wake_rows):
             self._wake()
         return item
 
@@ -551,6 +574,7 @@ class DynamicBatcher:
         item.taken = True  # a tombstone from now on, if not taken into a batch
         level = self._levels[item.level]
         level.live -= 1
+        self._waiting -= 1
         level.work -= item.cost
         self._rows -= item.rows
         self._work -= item.cost
@@ -650,6 +674,9 @@ class DynamicBatcher:
                     return self._take(chosen[:cut])
                 if no_wait and sum(p.rows for p in chosen) >= no_wait:
                     return self._take(chosen)
+                if self._all_in and len(chosen) == self._waiting and \
+                        self._waiting + self._running_requests >= self._peak:
+                    return self._take(chosen)  # everyone the clients keep outstanding is in: no one else is coming
                 deadline = min(p.enqueued for p in chosen) + delay
                 timeout = deadline - self._clock()
                 if timeout <= 0:
@@ -693,6 +720,7 @@ class DynamicBatcher:
                 self._inflight.release()
                 raise
             self._running += 1
+            self._running_requests += len(batch)
             task = asyncio.get_running_loop().create_task(self._execute(batch, self._running))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -778,6 +806,7 @@ class DynamicBatcher:
                 self._measured(batch, concurrency, self._clock() - started)
         finally:
             self._running -= 1
+            self._running_requests -= len(batch)
             self._running_bytes -= held
             self._inflight.release()
             if not self._bytes and not self._running:

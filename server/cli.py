@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; 0: only split "
                         "batches over --max-card-batch-rows)")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
+    p.add_argument("--no-all-in-dispatch", action="store_true",
+                   help="let every batch wait out the batching window (Triton's semantics); by default a batch "
+                        "leaves once every request the clients keep outstanding is queued or running")
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
     p.add_argument("--max-queue-work-ms", type=float, default=DEFAULT_QUEUE_WORK_MS,
@@ -213,7 +216,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                               default_timeout_microseconds=args.default_timeout_us,
                               max_queue_work_ms=args.max_queue_work_ms, max_queue_bytes=args.max_queue_bytes_mb << 20,
                               preferred_batch_rows=tuple(args.preferred_batch_rows),
-                              no_wait_rows=args.no_wait_rows,
+                              no_wait_rows=args.no_wait_rows, all_in_dispatch=not args.no_all_in_dispatch,
                               max_inflight_batches=args.max_inflight_batches,
                               priority_levels=args.priority_levels,
                               default_priority_level=args.default_priority_level or args.priority_levels)

@@ -29,6 +29,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -82,9 +83,14 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
     """
     clash = sorted({metrics_port + i for i in range(count)} & {grpc_port, http_port}) if metrics_port > 0 else []
     if clash:
-        print_line(f"sixfold-serve: worker metrics ports {metrics_port}..{metrics_port + count - 1} "
+        _error(f"sixfold-serve: worker metrics ports {metrics_port}..{metrics_port + count - 1} "
                    f"(--metrics-port + worker index) include port {clash[0]}, also given for gRPC or REST")
         return 2
+    for port, what in ((grpc_port, "gRPC"), (http_port, "REST")):
+        busy = _busy(host, port)
+        if busy:
+            _error(f"sixfold-serve: could not bind {host}:{port} for {what} ({busy}; is another server on it?)")
+            return 2
     folder = Path(tempfile.mkdtemp(prefix="sixfold-workers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     base = [sys.executable, "-m", "server.cli", *argv]
     env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
@@ -149,7 +155,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
             exited = [(i, w) for i, w in enumerate(workers) if w is not None and w.proc.poll() is not None]
             if exited:
                 index, worker = exited[0]
-                print_line(f"sixfold-serve: worker {index} (pid {worker.pid}) exited with code "
+                _error(f"sixfold-serve: worker {index} (pid {worker.pid}) exited with code "
                            f"{worker.proc.returncode}; stopping the others")
                 stop_all()
                 _wait_all(workers)
@@ -164,6 +170,27 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
             if worker is not None and worker.proc.poll() is None:
                 worker.kill()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _error(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _busy(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound by a server of its own ("" if it can, or if the port is 0).
+
+    The workers bind with SO_REUSEPORT, which would also join a port that another server of the same
+    user holds with it (another sixfold of several workers): a plain bind first tells them apart.
+    """
+    if port <= 0:
+        return ""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
 
 
 def _wait_ready(worker: ReadyProcess, stopping: threading.Event) -> bool:
@@ -202,7 +229,7 @@ def _failed(worker: ReadyProcess, index: int, print_line: Callable[[str], None])
     code = worker.proc.poll()
     if code is None:  # too slow to start: do not leave it behind
         worker.kill()
-        print_line(f"sixfold-serve: worker {index} did not become ready")
+        _error(f"sixfold-serve: worker {index} did not become ready")
         return 1
-    print_line(f"sixfold-serve: worker {index} could not start (exit code {code})")
+    _error(f"sixfold-serve: worker {index} could not start (exit code {code})")
     return code if code > 0 else 1

@@ -33,7 +33,7 @@ __all__ = ["main", "SERVE_FLAGS"]
 SERVE_FLAGS = ("max_batch_rows", "no_wait_rows", "max_queue_delay_us", "max_queue_size", "default_timeout_us", "max_queue_work_ms",
                "max_queue_bytes_mb", "preferred_batch_rows", "max_inflight_batches", "priority_levels",
                "default_priority_level", "max_card_batch_rows", "min_split_rows", "host_dense_max_rows",
-               "card_timeout_multiple", "card_timeout_floor_ms")
+               "card_timeout_multiple", "card_timeout_floor_ms", "no_all_in_dispatch")
 """sixfold-serve's scheduling flags, taken from its own parser (names, defaults and help)."""
 
 
@@ -45,6 +45,8 @@ def _add_serve_flags(group: argparse._ArgumentGroup) -> None:
             kwargs: dict[str, Any] = {"dest": action.dest, "default": action.default, "help": action.help}
             if isinstance(action, argparse._AppendAction):
                 kwargs.update(action="append", type=action.type, metavar=action.metavar, default=[])
+            elif isinstance(action, argparse._StoreTrueAction):
+                kwargs.update(action="store_true")
             else:
                 kwargs.update(type=action.type, metavar=action.metavar)
             group.add_argument(*action.option_strings, **kwargs)
@@ -55,6 +57,7 @@ def serving_settings(args: argparse.Namespace) -> ServingSettings:
     from server.batcher import BatchingConfig
     try:
         extra = {"no_wait_rows": args.no_wait_rows} if hasattr(args, "no_wait_rows") else {}
+        extra["all_in_dispatch"] = not getattr(args, "no_all_in_dispatch", False)
         batching = BatchingConfig(max_batch_rows=args.max_batch_rows, **extra,
                                   max_queue_delay_microseconds=args.max_queue_delay_us,
                                   max_queue_size=args.max_queue_size,

@@ -216,3 +216,55 @@ async def test_no_wait_rows_zero_holds_even_a_large_request_for_the_window() -> 
     await batcher.close(drain=False)
     with pytest.raises(ValueError, match="no_wait_rows"):
         BatchingConfig(no_wait_rows=-1)
+
+
+@virtual_time
+async def test_all_in_dispatch_sends_a_batch_once_every_outstanding_request_is_in() -> None:
+    """Closed-loop clients (each sends again only once answered): after the first window shows how
+    many keep requests outstanding, a batch leaves as soon as all of them are queued or running,
+    not when the window ends. Fewer than that (open-loop gaps) still wait the window."""
+    model = Recorder(delay=0.001)
+    config = BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=2_000, all_in_dispatch=True)
+    batcher = _batcher(model, config, max_inflight=2)
+    loop = asyncio.get_running_loop()
+    answered: list[float] = []
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(0.0001 * i)  # they start apart, then each sends again when answered
+        for _ in range(5):
+            await batcher.submit(_request(1, i), 1)
+            answered.append(loop.time())
+
+    started = loop.time()
+    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(4))), 2.0)
+    # the first arrival is a new peak, so it leaves at once; the others gather behind it and leave
+    # as soon as all four are in (one running, three queued): 1 + 3 from then on, no window waited
+    assert sum(model.batches) == 20
+    assert max(model.batches) >= 3, model.batches
+    elapsed = loop.time() - started
+    assert elapsed < 11 * 0.001, elapsed  # ~2 batch times a round, 5 rounds
+    await batcher.close()
+    # without it, every batch waits out the window (only 4 clients: never full)
+    model = Recorder(delay=0.001)
+    batcher = _batcher(model, BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=2_000), max_inflight=2)
+    started = loop.time()
+    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(4))), 2.0)
+    assert loop.time() - started >= 5 * 0.002
+    await batcher.close()
+
+
+@virtual_time
+async def test_all_in_dispatch_keeps_the_window_when_fewer_than_the_recent_peak_are_in() -> None:
+    model = Recorder()
+    config = BatchingConfig(max_batch_rows=100, max_queue_delay_microseconds=50_000, all_in_dispatch=True)
+    batcher = _batcher(model, config, max_inflight=2)
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(*(batcher.submit(_request(1, i), 1) for i in range(3)))  # a peak of 3
+    t0 = loop.time()
+    await batcher.submit(_request(1, 9), 1)  # 1 of a recent 3: the others may come, so it waits
+    assert loop.time() - t0 == pytest.approx(0.05, abs=1e-4)
+    await asyncio.sleep(0.2)  # past the horizon: the peak is what is held now
+    t0 = loop.time()
+    await batcher.submit(_request(1, 9), 1)
+    assert loop.time() - t0 == pytest.approx(0.0, abs=1e-4)
+    await batcher.close()

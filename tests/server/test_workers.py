@@ -245,5 +245,11 @@ def test_workers_refuse_what_they_cannot_share_and_one_server_refuses_a_busy_por
         second = subprocess.run([str(SERVE), "--model", "tiny", "--grpc-port", str(port), "--metrics-port", "-1",
                                  "--http-port", "-1", "--no-warmup"], capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and f"could not bind 127.0.0.1:{port}" in second.stderr, second.stderr
+        # workers bind with SO_REUSEPORT, which could join another server's port: they check it first
+        workers = subprocess.run([str(SERVE), "--model", "tiny", "--workers", "2", "--grpc-port", str(port),
+                                  "--metrics-port", "-1", "--http-port", "-1"], capture_output=True, text=True,
+                                 timeout=120)
+        assert workers.returncode == 2 and f"could not bind 127.0.0.1:{port} for gRPC" in workers.stderr, \
+            workers.stdout + workers.stderr
     finally:
         assert first.stop() == 0

@@ -30,11 +30,14 @@ def test_scheduling_flags_are_sixfold_serves(tmp_path) -> None:
     out = tmp_path / "run.json"
     args = ["run", "--model", "rm1", "--cards", "1", "--qps", "20", *SHORT, "--json", str(out), "--host-spec",
             "host-cpu", "--query-size", "fixed:10"]
-    assert main([*args, "--max-queue-delay-us", "5000"]) == 0
+    assert main([*args, "--max-queue-delay-us", "5000", "--no-all-in-dispatch"]) == 0
     slow = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
-    assert main([*args, "--max-queue-delay-us", "1000"]) == 0
+    assert main([*args, "--max-queue-delay-us", "1000", "--no-all-in-dispatch"]) == 0
     fast = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
     assert slow - fast == pytest.approx(4.0, abs=0.05)  # a lone small query waits out the window
+    assert main([*args, "--max-queue-delay-us", "5000"]) == 0
+    alone = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
+    assert alone < fast - 0.5  # sixfold-serve's default: nobody else outstanding, so no window waited
 
 
 def test_capacity_answers_the_fewest_cards_and_their_watts(tmp_path, capsys) -> None:
@@ -105,6 +108,6 @@ def test_no_wait_rows_is_sixfold_serves_too(tmp_path) -> None:
             "host-cpu", "--query-size", "fixed:300", "--host-dense-max-rows", "0"]
     assert main([*args, "--no-wait-rows", "256"]) == 0
     at_once = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
-    assert main([*args, "--no-wait-rows", "0"]) == 0
+    assert main([*args, "--no-wait-rows", "0", "--no-all-in-dispatch"]) == 0
     waited = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
     assert waited - at_once == pytest.approx(2.0, abs=0.05)  # a 300-item query waits out the 2 ms window
