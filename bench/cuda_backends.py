@@ -379,23 +379,20 @@ def main(argv: list[str] | None = None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2))
 
-    for name in args.models:
-        print(f"dense partition of {name}:", flush=True)
-        try:
-            report["dense"].append(bench_model(name, args, env))
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            report["errors"].append(f"dense {name}: {type(exc).__name__}: {exc}")
-        save()
-    if args.e2e:
+    def each_model(part: str, title: str, bench: Any) -> None:
+        """``bench`` per model into ``report[part]``; a model that fails is recorded and the rest still run."""
         for name in args.models:
-            print(f"served in-process, {name}:", flush=True)
+            print(f"{title} {name}:", flush=True)
             try:
-                report["e2e"].append(e2e_model(name, args, env))
+                report[part].append(bench(name, args, env))
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
-                report["errors"].append(f"e2e {name}: {type(exc).__name__}: {exc}")
+                report["errors"].append(f"{part} {name}: {type(exc).__name__}: {exc}")
             save()
+
+    each_model("dense", "dense partition of", bench_model)
+    if args.e2e:
+        each_model("e2e", "served in-process,", e2e_model)
 
     device = env.get("cuda_device", "no CUDA device")
     print(f"\nDense partition per run, median ms, host arrays in and out ({platform.machine()}, "
