@@ -84,7 +84,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
     clash = sorted({metrics_port + i for i in range(count)} & {grpc_port, http_port}) if metrics_port > 0 else []
     if clash:
         _error(f"sixfold-serve: worker metrics ports {metrics_port}..{metrics_port + count - 1} "
-                   f"(--metrics-port + worker index) include port {clash[0]}, also given for gRPC or REST")
+               f"(--metrics-port + worker index) include port {clash[0]}, also given for gRPC or REST")
         return 2
     for port, what in ((grpc_port, "gRPC"), (http_port, "REST")):
         busy = _busy(host, port)
@@ -131,7 +131,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
     try:
         first = start(0, grpc_port, http_port)
         if not _wait_ready(first, stopping):
-            return _stopped(workers) if stopping.is_set() else _failed(first, 0, print_line)
+            return _stopped(workers) if stopping.is_set() else _failed(first, 0)
         ports = _parse_ports(first.lines)
         others = [start(i, ports["grpc"], -1 if ports["http"] is None else ports["http"]) for i in range(1, count)]
         if stopping.is_set():  # a signal while they were starting: they may have missed it
@@ -141,7 +141,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
                 if stopping.is_set():
                     return _stopped(workers)
                 stop_all()
-                return _failed(worker, index, print_line)
+                return _failed(worker, index)
         for index, worker in enumerate(workers):
             assert worker is not None
             metrics = _parse_ports(worker.lines)["metrics"]
@@ -156,7 +156,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
             if exited:
                 index, worker = exited[0]
                 _error(f"sixfold-serve: worker {index} (pid {worker.pid}) exited with code "
-                           f"{worker.proc.returncode}; stopping the others")
+                       f"{worker.proc.returncode}; stopping the others")
                 stop_all()
                 _wait_all(workers)
                 return 1
@@ -225,7 +225,7 @@ def _wait_all(workers: Sequence[ReadyProcess | None], timeout_s: float = 120.0) 
     return [abs(c) for c in codes]
 
 
-def _failed(worker: ReadyProcess, index: int, print_line: Callable[[str], None]) -> int:
+def _failed(worker: ReadyProcess, index: int) -> int:
     code = worker.proc.poll()
     if code is None:  # too slow to start: do not leave it behind
         worker.kill()
