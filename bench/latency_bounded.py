@@ -101,6 +101,7 @@ LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so th
 IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
+CHANNELS_PER_WORKER = 8
 SERVERS = ("sixfold", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "mlserver")
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
@@ -223,12 +224,16 @@ async def _wait_model(url: str, model: str, timeout_s: float) -> None:
         await client.close()
 
 
-def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tree: str | None = None) -> ServerProc:
+def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tree: str | None = None,
+                   workers: int = 1) -> ServerProc:
     """``tree``: serve with the code of another source tree (e.g. ``git archive`` of an earlier commit), put
-    first on PYTHONPATH, with this venv's packages: a before/after comparison in one run."""
+    first on PYTHONPATH, with this venv's packages: a before/after comparison in one run. ``workers``:
+    ``sixfold-serve --workers`` (a tree from before the option serves with one)."""
     argv = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", model, "--max-rows", str(max_rows),
             "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
             "--http-port", "-1", "--drain-seconds", "0"]
+    if workers > 1 and tree is None:
+        argv += ["--workers", str(workers)]
     if not batching:
         argv += ["--max-batch-rows", "1", "--max-queue-delay-us", "0"]
     env = None
@@ -290,6 +295,12 @@ def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
 def _client(name: str) -> str:
     """The loadgen transport a server is driven with: the shm variant sends tensors by region."""
     return "shm" if name == "sixfold-shm" else "raw"
+
+
+def _channels(args: argparse.Namespace, client: str) -> int:
+    """Connections loadgen spreads a sixfold server's traffic over: several per worker (SO_REUSEPORT
+    hashes each connection to one worker), one for a single process (as before the option)."""
+    return CHANNELS_PER_WORKER * args.workers if args.workers > 1 and client in ("raw", "shm") else 1
 
 
 def _load_config(url: str, model: str, cfg: models.ModelConfig, **kw: Any) -> LoadConfig:
@@ -381,7 +392,7 @@ async def search(url: str, model: str, cfg: models.ModelConfig, args: argparse.N
                  lo: float, hi: float, seed: int, console: Any, client: str = "raw") -> dict[str, Any]:
     """The find-max-qps search for one bound: the answer and its best step's figures."""
     config = _load_config(url, model, cfg, qps=lo, duration_s=args.step, warmup_s=args.warmup, seed=seed,
-                          drain_timeout_s=10.0, client=client)
+                          drain_timeout_s=10.0, client=client, channels=_channels(args, client))
     sweep = SweepConfig(p99_ms=bound, min_qps=lo, max_qps=hi, floor_qps=min(FLOOR_QPS, lo),
                         step_duration_s=args.step, tolerance=args.tolerance, max_steps=args.max_steps, settle_s=2.0)
     report = await find_max_qps_async(config, sweep, console=console)
@@ -442,7 +453,8 @@ def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
     if name == "sixfold-before":
         return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree)
-    return sixfold_server(model, args.max_rows, args.cards, batching=name in ("sixfold", "sixfold-shm"))
+    return sixfold_server(model, args.max_rows, args.cards, batching=name in ("sixfold", "sixfold-shm"),
+                          workers=args.workers)
 
 
 def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cfg: models.ModelConfig,
@@ -472,7 +484,8 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         with inputs_in_order(order):
             warm = asyncio.run(run_load_async(_load_config(url, model, cfg, qps=0, duration_s=args.warmup_run,
                                                            concurrency=2, seed=1000 * run + 500,
-                                                           client=_client(name))))
+                                                           client=_client(name),
+                                                           channels=_channels(args, _client(name)))))
             entry["closed_loop_qps"] = round(float(warm.achieved_qps), 2)
             # The search starts at a quarter of what 2 outstanding queries get: a rate near the answer for
             # the looser bound, whatever the (noisy) offline figure was.
@@ -751,7 +764,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f">= 90% of the rate answered. A bound below a server's idle {LARGEST_QUERY}-item latency (the p99 "
         f"query size; the fastest of {args.idle_repeats}) is not searched: no rate can meet it. "
         f"{args.runs} run(s); figures are the median run's, ratios medians of per-run ratios.",
-        f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve --cards {args.cards}` "
+        f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve --cards {args.cards}{(' --workers ' + str(args.workers)) if args.workers > 1 else ''}` "
         f"(simcard), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
@@ -799,6 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=None, help="comma-separated (default dlrm-mlperf,rm2; --quick: dlrm-mlperf)")
     p.add_argument("--max-rows", type=int, default=None, help="rows per table at most (default 50000; --quick 20000)")
     p.add_argument("--cards", type=int, default=6, help="simcards of the sixfold servers (default 6)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes of each sixfold server (sixfold-serve --workers; default 1: "
+                        "on 2 cores more cannot help; on a bigger host, try one per spare core)")
     p.add_argument("--p99-ms", type=_floats, default=None,
                    help="latency bounds, comma-separated; the first one is the goals' (default 60,250; --quick 60)")
     p.add_argument("--runs", type=int, default=1, help="repeat everything, servers in a rotated order (default 1)")

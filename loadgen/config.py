@@ -95,6 +95,9 @@ class LoadConfig:
     ``raw``, with the tensors in shared memory segments registered with a server on this host."""
     lag_threshold_ms: float = 5.0
     """A send later than this after its scheduled time counts as the generator falling behind."""
+    channels: int = 1
+    """gRPC connections the ``raw`` and ``shm`` clients spread requests over, round robin: a channel
+    stays on one process of a server of several (``sixfold-serve --workers``), so reach them all."""
 
     def __post_init__(self) -> None:
         if not self.url or "://" in self.url or ":" not in self.url:
@@ -123,6 +126,10 @@ class LoadConfig:
             raise ValueError(f"dense_dim must be >= 1, got {self.dense_dim}")
         if self.client not in CLIENTS:
             raise ValueError(f"bad client {self.client!r}: expected one of {', '.join(CLIENTS)}")
+        if self.channels < 1:
+            raise ValueError(f"channels must be >= 1, got {self.channels}")
+        if self.channels > 1 and self.client == "tritonclient":
+            raise ValueError("channels > 1 needs the raw or shm client (tritonclient's client has one channel)")
         if self.replay_path is None:
             parse_query_sizes(self.query_size)
         if self.concurrency is not None or self.replay_path is not None:

@@ -94,14 +94,20 @@ def _scores_bytes(response: Any) -> bytes:
 
 
 class RawGrpcTransport:
-    """Pre-serialized ModelInferRequests on one grpc.aio channel (see module docstring)."""
+    """Pre-serialized ModelInferRequests on grpc.aio channels, round robin (see module docstring).
 
-    def __init__(self, url: str, model: str, version: str = "") -> None:
+    ``channels`` > 1: each its own connection (a local subchannel pool, or gRPC would share one), so
+    a server of several processes on one port (``sixfold-serve --workers``) sees them all.
+    """
+
+    def __init__(self, url: str, model: str, version: str = "", channels: int = 1) -> None:
         self.url, self.model, self.version = url, model, version
-        self._channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
-        self._call = self._channel.unary_unary(
-            _MODEL_INFER, request_serializer=None,  # payloads are already bytes
-            response_deserializer=service_pb2.ModelInferResponse.FromString)
+        options = CHANNEL_OPTIONS if channels == 1 else [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(channels)]
+        calls = [channel.unary_unary(_MODEL_INFER, request_serializer=None,  # payloads are already bytes
+                                     response_deserializer=service_pb2.ModelInferResponse.FromString)
+                 for channel in self._channels]
+        self._call = calls[0] if channels == 1 else _RoundRobin(calls)
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
         message = service_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
@@ -113,7 +119,7 @@ class RawGrpcTransport:
 
     async def connect(self, timeout_s: float) -> None:
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout_s)
         except asyncio.TimeoutError:
             raise LoadgenError(f"cannot open a gRPC channel to {self.url} within {timeout_s:g} s") from None
 
@@ -128,7 +134,20 @@ class RawGrpcTransport:
         return _scores_bytes(response)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
+
+
+class _RoundRobin:
+    """Calls each of ``calls`` in turn."""
+
+    def __init__(self, calls: list[Any]) -> None:
+        self._calls, self._next = calls, 0
+
+    def __call__(self, payload: bytes) -> Any:
+        call = self._calls[self._next]
+        self._next = (self._next + 1) % len(self._calls)
+        return call(payload)
 
 
 class SharedMemoryTransport(RawGrpcTransport):
@@ -139,8 +158,8 @@ class SharedMemoryTransport(RawGrpcTransport):
     resource tracker unlinks them even if loadgen dies without closing.
     """
 
-    def __init__(self, url: str, model: str, version: str = "") -> None:
-        super().__init__(url, model, version)
+    def __init__(self, url: str, model: str, version: str = "", channels: int = 1) -> None:
+        super().__init__(url, model, version, channels)
         self._control = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._control)
         self._segments: list[shared_memory.SharedMemory] = []
@@ -225,12 +244,12 @@ def make_client(url: str) -> tritonaio.InferenceServerClient:
 
 
 def make_transport(kind: str, url: str, client: tritonaio.InferenceServerClient, model: str,
-                   version: str = "") -> Transport:
-    """The transport named by ``LoadConfig.client``."""
+                   version: str = "", channels: int = 1) -> Transport:
+    """The transport named by ``LoadConfig.client`` (``channels``: see ``LoadConfig.channels``)."""
     if kind == "raw":
-        return RawGrpcTransport(url, model, version)
+        return RawGrpcTransport(url, model, version, channels)
     if kind == "tritonclient":
         return TritonClientTransport(client, model, version)
     if kind == "shm":
-        return SharedMemoryTransport(url, model, version)
+        return SharedMemoryTransport(url, model, version, channels)
     raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")

@@ -137,6 +137,21 @@ def test_a_shared_memory_region_registered_through_one_worker_is_known_to_all(tw
         shm.destroy_shared_memory_region(handle)
 
 
+def test_loadgen_channels_reach_every_worker(two_workers, tmp_path):
+    proc = two_workers
+    workers = _workers(proc)
+    before = {i: _served(port) for i, (_, port) in workers.items()}
+    loadgen = Path(sys.executable).parent / "sixfold-loadgen"
+    result = subprocess.run([str(loadgen), "--url", proc.url, "--model", "tiny", "--qps", "200", "--duration", "1",
+                             "--max-requests", "400", "--channels", "8", "--report", str(tmp_path / "report.json")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["requests"]["errors"] == 0 and report["requests"]["ok"] == report["requests"]["sent"] > 0
+    gained = {i: _served(port) - before[i] for i, (_, port) in workers.items()}
+    assert all(n > 0 for n in gained.values()), f"8 channels reached one worker only: {gained}"
+
+
 def test_a_worker_that_dies_stops_the_whole_server(two_workers):
     proc = two_workers
     workers = _workers(proc)
