@@ -1,7 +1,7 @@
 """Serving overhead benchmark: sixfold on a trivial model vs a bare grpc.aio echo server, both under perf_analyzer.
 
 Goal: sixfold's throughput on the ``tiny`` model (3 x 100 rows, dim 8: compute ~0) is at
-least 0.8 x that of the floor of any Python gRPC server, at perf_analyzer ``--concurrency-range 16``.
+least 0.9 x that of the floor of any Python gRPC server, at perf_analyzer ``--concurrency-range 16``.
 
 Servers, each in its own process (perf_analyzer, a C++ process, drives both the same way):
   sixfold  ``sixfold-serve --model tiny --cards 6 --grpc-port 0 --metrics-port -1``, as a user
@@ -66,7 +66,8 @@ COMMAND = ".venv/bin/python bench/serving_overhead.py"
 TOOL = ROOT.parent / "shared" / "tools" / "perf_analyzer"
 MODEL = "tiny"
 CONCURRENCY = 16
-GOAL = 0.8
+GOAL = 0.9
+"""Issue 14's: sixfold / echo >= 0.9 at 1 and 16 items (it was 0.8 until 2026-11-24's re-measure)."""
 
 
 # ----------------------------------------------------------------------------------------------
