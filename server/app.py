@@ -163,7 +163,9 @@ class SixfoldServer:
         for name in ("", _SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port,
+            # NOTE: a worker's page is for its supervisor, which serves all the workers' (server.worker_metrics)
+            host = "127.0.0.1" if self.config.workers is not None else self.config.host
+            self.metrics_port = self.metrics.serve(host, self.config.metrics_port,
                                                    tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                                                    token=self.config.metrics_token)
         freeze_loaded_objects()  # full collections would otherwise walk every loaded module (server.gc_pause)

@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         from .workers import serve_workers
         return serve_workers(argv if argv is not None else sys.argv[1:], args.workers, host=args.host,
                              grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_token=args.metrics_token or None,
                              print_line=lambda text: print(text, flush=True))
     try:
         import uvloop

@@ -14,8 +14,8 @@ stays with the worker it reached. What they share:
 
 What they do not share: host memory (each worker holds its own copy of resident tables; tiered
 tables share the page cache), batches (a worker batches only the requests it received),
-statistics and metrics (each worker's are its own: /metrics on ``--metrics-port`` + its index),
-and table deltas (refused: they need ``--workers 1``).
+statistics (each worker's are its own; /metrics is one page, every sample labelled with its
+worker: ``server.worker_metrics``), and table deltas (refused: they need ``--workers 1``).
 
 This process only supervises: it starts worker 0 (which binds the ports asked for, 0 included),
 then the others on the ports worker 0 bound, prints the READY line once all serve, passes
@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .process import READY_PREFIX, ReadyProcess
+from .worker_metrics import WorkersMetrics
 
 __all__ = ["WORKER_PREFIX", "worker_ports_line", "serve_workers"]
 
@@ -76,17 +77,14 @@ def follow_supervisor() -> None:
 
 
 def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int, http_port: int,
-                  metrics_port: int, print_line: Callable[[str], None] = print) -> int:
+                  metrics_port: int, tls_cert: str | None = None, tls_key: str | None = None,
+                  metrics_token: str | None = None, print_line: Callable[[str], None] = print) -> int:
     """Run ``count`` workers of ``sixfold-serve argv`` until SIGTERM/SIGINT or one of them exits; the exit code.
 
-    ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free).
+    ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free). The workers'
+    own /metrics pages are on loopback; this process serves them all on ``metrics_port``.
     """
-    clash = sorted({metrics_port + i for i in range(count)} & {grpc_port, http_port}) if metrics_port > 0 else []
-    if clash:
-        _error(f"sixfold-serve: worker metrics ports {metrics_port}..{metrics_port + count - 1} "
-               f"(--metrics-port + worker index) include port {clash[0]}, also given for gRPC or REST")
-        return 2
-    for port, what in ((grpc_port, "gRPC"), (http_port, "REST")):
+    for port, what in ((grpc_port, "gRPC"), (http_port, "REST"), (metrics_port, "metrics")):
         busy = _busy(host, port)
         if busy:
             _error(f"sixfold-serve: could not bind {host}:{port} for {what} ({busy}; is another server on it?)")
@@ -105,15 +103,12 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
                     print_line(f"[worker {index}] {text.rstrip()}")
         return line
 
-    def metrics_of(index: int) -> int:
-        return metrics_port if metrics_port <= 0 else metrics_port + index
-
     def start(index: int, grpc: int, http: int) -> ReadyProcess:
         """Start a worker without waiting for it; from this thread (a worker's parent-death signal follows
         the thread that started it, so none may start from a pool's thread). Its own session: a terminal's
         Ctrl-C reaches the supervisor alone, which stops the workers in order."""
         cmd = [*base, "--as-worker", f"{folder}:{index}:{count}", "--grpc-port", str(grpc),
-               "--http-port", str(http), "--metrics-port", str(metrics_of(index))]
+               "--http-port", str(http), "--metrics-port", "-1" if metrics_port < 0 else "0"]
         worker = ReadyProcess(cmd, env=env, echo=echo(index), start_new_session=True, timeout_s=0)
         workers[index] = worker
         return worker
@@ -128,6 +123,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
         stop_all()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    metrics: WorkersMetrics | None = None
     try:
         first = start(0, grpc_port, http_port)
         if not _wait_ready(first, stopping):
@@ -142,11 +138,22 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
                     return _stopped(workers)
                 stop_all()
                 return _failed(worker, index)
+        pages = []
         for index, worker in enumerate(workers):
             assert worker is not None
-            metrics = _parse_ports(worker.lines)["metrics"]
-            print_line(f"sixfold-serve: worker {index} pid {worker.pid}"
-                       + (f", metrics on {host}:{metrics}" if metrics is not None else ""))
+            pages.append(_parse_ports(worker.lines)["metrics"])
+            print_line(f"sixfold-serve: worker {index} pid {worker.pid}")
+        if metrics_port >= 0:
+            metrics = WorkersMetrics(pages, token=metrics_token, tls=bool(tls_cert and tls_key))
+            try:
+                bound = metrics.serve(host, metrics_port, tls_cert=tls_cert, tls_key=tls_key, token=metrics_token)
+            except OSError as exc:
+                metrics = None
+                _error(f"sixfold-serve: could not serve metrics on {host}:{metrics_port}: {exc.strerror or exc}")
+                stop_all()
+                _wait_all(workers)
+                return 2
+            print_line(f"sixfold-serve: metrics of all workers on {host}:{bound} (label worker)")
         print_line(f"sixfold-serve: {count} workers share {host}:{ports['grpc']} (gRPC)"
                    + (f" and {host}:{ports['http']} (REST)" if ports["http"] is not None else "")
                    + f"; run folder {folder}")
@@ -164,6 +171,8 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
         return max(_wait_all(workers), default=0)
     finally:
         stop_all()
+        if metrics is not None:
+            metrics.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for worker in workers:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 import warnings
@@ -34,16 +35,21 @@ CHANNELS = 24
 """Fresh channels per check: with 2 workers, all landing on one has odds of 2**-23."""
 
 
-def _workers(proc: ServeProcess) -> dict[int, tuple[int, int | None]]:
-    """worker index -> (pid, metrics port), from the supervisor's lines."""
-    found = re.findall(r"worker (\d+) pid (\d+)(?:, metrics on [^:]+:(\d+))?", proc.output)
-    return {int(i): (int(pid), int(port) if port else None) for i, pid, port in found}
+def _workers(proc: ServeProcess) -> dict[int, int]:
+    """worker index -> pid, from the supervisor's lines."""
+    return {int(i): int(pid) for i, pid in re.findall(r"worker (\d+) pid (\d+)", proc.output)}
 
 
-def _served(metrics_port: int) -> float:
-    page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith("sixfold_inference_request_success"))
+def _served(proc: ServeProcess) -> dict[str, float]:
+    """Requests each worker answered, from the server's one /metrics page (samples labelled by worker)."""
+    port = re.search(r"metrics of all workers on [^:]+:(\d+)", proc.output).group(1)
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    served: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("sixfold_inference_request_success"):
+            worker = re.search(r'worker="(\d+)"', line).group(1)
+            served[worker] = served.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
+    return served
 
 
 def _gone(pid: int) -> bool:
@@ -80,12 +86,12 @@ def test_two_workers_share_the_ports_answer_alike_and_stop_on_sigterm(two_worker
         with th.InferenceServerClient(http_url) as client:
             np.testing.assert_array_equal(client.infer("tiny", triton_inputs(th, request)).as_numpy("scores"),
                                           answers[0])
-    served = {i: _served(port) for i, (_, port) in workers.items()}
-    assert all(n > 0 for n in served.values()), f"a worker got no request: {served}"
+    served = _served(proc)
+    assert sorted(served) == ["0", "1"] and all(n > 0 for n in served.values()), f"a worker got no request: {served}"
     assert sum(served.values()) >= CHANNELS * 1.5  # warm-up batches are not requests
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.proc.wait(timeout=60) == 0, proc.output
-    assert all(_gone(pid) for pid, _ in workers.values())
+    assert all(_gone(pid) for pid in workers.values())
     assert "worker 1] sixfold-serve: stopped" in proc.output
 
 
@@ -139,8 +145,7 @@ def test_a_shared_memory_region_registered_through_one_worker_is_known_to_all(tw
 
 def test_loadgen_channels_reach_every_worker(two_workers, tmp_path):
     proc = two_workers
-    workers = _workers(proc)
-    before = {i: _served(port) for i, (_, port) in workers.items()}
+    before = _served(proc)
     loadgen = Path(sys.executable).parent / "sixfold-loadgen"
     result = subprocess.run([str(loadgen), "--url", proc.url, "--model", "tiny", "--qps", "200", "--duration", "1",
                              "--max-requests", "400", "--channels", "8", "--report", str(tmp_path / "report.json")],
@@ -148,17 +153,35 @@ def test_loadgen_channels_reach_every_worker(two_workers, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["requests"]["errors"] == 0 and report["requests"]["ok"] == report["requests"]["sent"] > 0
-    gained = {i: _served(port) - before[i] for i, (_, port) in workers.items()}
+    gained = {i: n - before.get(i, 0.0) for i, n in _served(proc).items()}
+    assert sorted(gained) == ["0", "1"]
     assert all(n > 0 for n in gained.values()), f"8 channels reached one worker only: {gained}"
+
+
+def test_the_one_metrics_page_keeps_the_servers_bearer_token():
+    proc = ServeProcess("--model", "tiny", "--workers", "2", "--grpc-port", "0", "--metrics-port", "0",
+                        "--metrics-token", "m3trics")
+    try:
+        assert proc.url, proc.output
+        port = re.search(r"metrics of all workers on [^:]+:(\d+)", proc.output).group(1)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert refused.value.code == 401
+        scrape = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                        headers={"Authorization": "Bearer m3trics"})
+        page = urllib.request.urlopen(scrape, timeout=10).read().decode()
+        assert 'worker="0"' in page and 'worker="1"' in page
+    finally:
+        assert proc.stop() == 0, proc.output
 
 
 def test_a_worker_that_dies_stops_the_whole_server(two_workers):
     proc = two_workers
     workers = _workers(proc)
-    os.kill(workers[1][0], signal.SIGKILL)
+    os.kill(workers[1], signal.SIGKILL)
     assert proc.proc.wait(timeout=60) == 1
     assert "worker 1" in proc.output and "exited with code -9; stopping the others" in proc.output
-    assert _gone(workers[0][0])
+    assert _gone(workers[0])
 
 
 def _workers_of(supervisor: int) -> list[int]:
