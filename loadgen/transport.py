@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import uuid
 from collections.abc import Mapping
 from multiprocessing import shared_memory
@@ -107,7 +108,8 @@ class RawGrpcTransport:
         calls = [channel.unary_unary(_MODEL_INFER, request_serializer=None,  # payloads are already bytes
                                      response_deserializer=service_pb2.ModelInferResponse.FromString)
                  for channel in self._channels]
-        self._call = calls[0] if channels == 1 else _RoundRobin(calls)
+        turns = itertools.cycle(calls)
+        self._call = calls[0] if channels == 1 else lambda payload: next(turns)(payload)
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
         message = service_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
@@ -136,18 +138,6 @@ class RawGrpcTransport:
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
-
-
-class _RoundRobin:
-    """Calls each of ``calls`` in turn."""
-
-    def __init__(self, calls: list[Any]) -> None:
-        self._calls, self._next = calls, 0
-
-    def __call__(self, payload: bytes) -> Any:
-        call = self._calls[self._next]
-        self._next = (self._next + 1) % len(self._calls)
-        return call(payload)
 
 
 class SharedMemoryTransport(RawGrpcTransport):

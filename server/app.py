@@ -144,9 +144,9 @@ class SixfoldServer:
             raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port} (is another server on it?)")
         if workers is not None:  # the siblings tell this worker what they changed, over its own socket
             try:
-                server.add_insecure_port(workers.address)
+                server.add_insecure_port(workers.address())
             except RuntimeError:
-                raise OSError(f"could not bind {workers.address}") from None
+                raise OSError(f"could not bind {workers.address()}") from None
             self.core.siblings = Siblings(workers, self.config.control_token)
         await server.start()
         if self.config.http_port is not None:
@@ -164,7 +164,7 @@ class SixfoldServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
             # NOTE: a worker's page is for its supervisor, which serves all the workers' (server.worker_metrics)
-            host = "127.0.0.1" if self.config.workers is not None else self.config.host
+            host = "127.0.0.1" if workers is not None else self.config.host
             self.metrics_port = self.metrics.serve(host, self.config.metrics_port,
                                                    tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                                                    token=self.config.metrics_token)

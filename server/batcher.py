@@ -387,7 +387,7 @@ class DynamicBatcher:
         self._running = 0
         self._running_requests = 0
         self._waiting = 0
-        """Requests queued, all levels (``queued`` without the walk)."""
+        """Requests queued, all levels."""
         self._peak, self._peak_at = 0, -math.inf
         """The most requests queued and running at once, and when that was last reached (all_in_dispatch)."""
         self._all_in = config.all_in_dispatch
@@ -406,7 +406,7 @@ class DynamicBatcher:
     @property
     def queued(self) -> int:
         """Requests waiting, all levels."""
-        return sum(level.live for level in self._levels.values())
+        return self._waiting
 
     def queued_by_level(self) -> dict[int, int]:
         return {n: level.live for n, level in self._levels.items()}

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["ServerMetrics", "ModelMetrics"]
+__all__ = ["MetricsEndpoint", "ServerMetrics", "ModelMetrics"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _ROW_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -51,7 +51,7 @@ class ServerMetrics:
         r.register(_RequestCollector(self._models))
         self._table_caches: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
         r.register(_TableCacheCollector(self._table_caches))
-        self._http: ThreadingHTTPServer | None = None
+        self._endpoint = MetricsEndpoint(self)
 
     def for_model(self, model: str, version: str) -> "ModelMetrics":
         """One model version's metric children, made once and then reused."""
@@ -75,6 +75,24 @@ class ServerMetrics:
 
     def serve(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
               token: str | None = None) -> int:
+        """Expose this page on ``host:port`` (``MetricsEndpoint.serve``); returns the port."""
+        return self._endpoint.serve(host, port, tls_cert=tls_cert, tls_key=tls_key, token=token)
+
+    def close(self) -> None:
+        """Stop the /metrics endpoint, if it runs."""
+        self._endpoint.close()
+
+
+class MetricsEndpoint:
+    """GET /metrics over HTTP(S) in a daemon thread, answering ``source.exposition()`` (a server's
+    ``ServerMetrics``, or the workers' pages together: ``server.worker_metrics``)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self._http: ThreadingHTTPServer | None = None
+
+    def serve(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
+              token: str | None = None) -> int:
         """Expose /metrics on ``host:port`` (0: a free port) in a daemon thread; returns the port.
 
         With ``tls_cert``/``tls_key`` it is served over HTTPS only (the same files as gRPC's TLS),
@@ -82,7 +100,7 @@ class ServerMetrics:
         ``authorization`` scrape setting), so a server that encrypts its traffic does not leave
         its metrics open in plaintext beside it.
         """
-        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self, "token": token})
+        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self.source, "token": token})
         server = self._http = ThreadingHTTPServer((host, port), handler)
         server.daemon_threads = True
         if tls_cert and tls_key:
@@ -106,7 +124,8 @@ class _MetricsHandler(BaseHTTPRequestHandler):
     """GET or HEAD /metrics answers the page; any other path is 404, any other method 405,
     and a missing or wrong bearer token (when one is set) 401."""
 
-    metrics: ServerMetrics
+    metrics: Any
+    """What answers the page: anything with ``exposition() -> bytes``."""
     token: str | None = None
 
     def _answer(self, body: bool) -> None:

@@ -44,10 +44,9 @@ class WorkerSet:
     def socket(self, index: int) -> Path:
         return self.folder / f"worker-{index}.sock"
 
-    @property
-    def address(self) -> str:
-        """This worker's private gRPC address."""
-        return f"unix:{self.socket(self.index)}"
+    def address(self, index: int | None = None) -> str:
+        """A worker's private gRPC address (this worker's by default)."""
+        return f"unix:{self.socket(self.index if index is None else index)}"
 
     @property
     def timelines(self) -> Path:
@@ -73,7 +72,7 @@ class Siblings:
 
     def _stub(self, index: int) -> Any:
         if index not in self._stubs:
-            channel = grpc.aio.insecure_channel(f"unix:{self.workers.socket(index)}",
+            channel = grpc.aio.insecure_channel(self.workers.address(index),
                                                 options=[("grpc.max_send_message_length", 64 << 20),
                                                          ("grpc.max_receive_message_length", 64 << 20)])
             self._channels.append(channel)

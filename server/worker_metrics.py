@@ -17,8 +17,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .metrics import ServerMetrics
-
 __all__ = ["WorkersMetrics"]
 
 log = logging.getLogger(__name__)
@@ -45,11 +43,10 @@ class _Workers:
         yield from merged.values()
 
 
-class WorkersMetrics(ServerMetrics):
-    """``ServerMetrics.serve`` and ``close`` over the workers' pages instead of a registry of its own."""
+class WorkersMetrics:
+    """The workers' pages as one (``exposition``), for a ``server.metrics.MetricsEndpoint``."""
 
     def __init__(self, ports: Sequence[int], token: str | None = None, tls: bool = False) -> None:
-        self._http = None
         self.ports, self._token, self._tls = list(ports), token, tls
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_Workers(self._pages))

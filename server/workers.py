@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .process import READY_PREFIX, ReadyProcess
+from .metrics import MetricsEndpoint
 from .worker_metrics import WorkersMetrics
 
 __all__ = ["WORKER_PREFIX", "worker_ports_line", "serve_workers"]
@@ -123,7 +124,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
         stop_all()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    metrics: WorkersMetrics | None = None
+    metrics: MetricsEndpoint | None = None
     try:
         first = start(0, grpc_port, http_port)
         if not _wait_ready(first, stopping):
@@ -144,7 +145,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
             pages.append(_parse_ports(worker.lines)["metrics"])
             print_line(f"sixfold-serve: worker {index} pid {worker.pid}")
         if metrics_port >= 0:
-            metrics = WorkersMetrics(pages, token=metrics_token, tls=bool(tls_cert and tls_key))
+            metrics = MetricsEndpoint(WorkersMetrics(pages, token=metrics_token, tls=bool(tls_cert and tls_key)))
             try:
                 bound = metrics.serve(host, metrics_port, tls_cert=tls_cert, tls_key=tls_key, token=metrics_token)
             except OSError as exc:
