@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .os_thread_names import name_this_thread, os_thread_name
 from .spec import DeviceSpec
 
 __all__ = ["PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit", "Arrays"]
@@ -90,7 +91,8 @@ class Executable(ABC):
         """This executable's one worker thread, started on first use (for subclasses overriding ``infer``)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"{self.device.name}-{self.artifact.name}")
+                max_workers=1, thread_name_prefix=f"{self.device.name}-{self.artifact.name}",
+                initializer=name_this_thread, initargs=(os_thread_name(self.artifact.name, self.device.name),))
         return self._executor
 
     def memory_bytes(self) -> int:
