@@ -27,7 +27,11 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
 
 Per server: a few concurrent queries whose scores are checked against the offline model
 (``answers``); idle latency (one query at a time, median and min of 5) at 270 items (the mean MLPerf
-query) and 700 (the largest, 5% of the mix, so the p99 query); 2 s of closed-loop warmup; then,
+query) and 700 (the largest, 5% of the mix, so the p99 query); 2 s of closed-loop warmup; its own
+speed (``--saturation``: closed loops of MLPerf-sized queries at 4, 8 and 16 outstanding, the best
+items/s kept) with the CPU each group of its threads used per query there (``bench/_thread_cpu.py``:
+cards, host stage, event loop, the rest), and the ideal server *at that speed*, which splits
+``server / ideal`` into what the server loses to its speed and what it loses to scheduling; then,
 per latency bound (``--p99-ms``, default 60 and 250), ``loadgen.find_max_qps_async`` (the
 ``--find-max-qps`` search of ``sixfold-loadgen``, run in this process): open-loop Poisson
 arrivals, query sizes ``mlperf`` (100..700 items, MLPerf DLRM's 20-quantile table), the model's
@@ -89,6 +93,7 @@ if str(ROOT) not in sys.path:
 
 import models  # noqa: E402
 from bench._common import machine_line, write_section  # noqa: E402
+from bench._thread_cpu import cpu_by_group, group_pids, thread_cpu  # noqa: E402
 from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
 from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client  # noqa: E402
 from loadgen.ideal import ideal_max_qps  # noqa: E402
@@ -487,6 +492,8 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
                                                            client=_client(name),
                                                            channels=_channels(args, _client(name)))))
             entry["closed_loop_qps"] = round(float(warm.achieved_qps), 2)
+            if args.saturation:
+                entry["saturation"] = measure_saturation(server, url, model, cfg, run, name, args)
             # The search starts at a quarter of what 2 outstanding queries get: a rate near the answer for
             # the looser bound, whatever the (noisy) offline figure was.
             start = max(FLOOR_QPS, round(entry["closed_loop_qps"] / 4, 2))
@@ -509,6 +516,40 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         return entry
     finally:
         server.stop()
+
+
+def measure_saturation(server: ServerProc, url: str, model: str, cfg: models.ModelConfig, run: int, name: str,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    """The server's own best speed: closed loops of MLPerf-sized queries at each of ``args.saturation``
+    outstanding, and the CPU its threads used per query there, by stage (``bench._thread_cpu``).
+
+    The ideal server at *this* speed (``ideal_max_qps`` of the best items/s) separates what a server
+    loses to its speed (CPU per query: serving overhead, simulated cards on the host's cores) from
+    what it loses to scheduling (queueing, batching, interference): sixfold / ideal = (ideal at own
+    speed / ideal) x (sixfold / ideal at own speed).
+    """
+    tag = f"[{model} run {run + 1}] {name}"
+    steps = []
+    for concurrency in args.saturation:
+        pids = group_pids(server.proc.pid) if server.proc is not None else []
+        before, t0 = thread_cpu(pids), time.perf_counter()
+        # No warmup: the closed loop at 2 outstanding has just warmed the server, and the CPU read here
+        # must be the measured window's.
+        report = asyncio.run(run_load_async(_load_config(
+            url, model, cfg, qps=0, duration_s=args.saturation_s, concurrency=concurrency,
+            seed=1000 * run + 700 + concurrency, client=_client(name), channels=_channels(args, _client(name)))))
+        groups = cpu_by_group(before, thread_cpu(group_pids(server.proc.pid) if server.proc is not None else []))
+        wall = time.perf_counter() - t0
+        answered = max(1, report.requests.get("ok", 0))
+        steps.append({"concurrency": concurrency, "items_per_s": round(float(report.items_per_s), 1),
+                      "qps": round(float(report.achieved_qps), 2), "p50_ms": report.latency_ms.get("p50"),
+                      "errors": report.requests.get("errors", 0), "answered": answered,
+                      "cpu_ms_per_query": {g: round(v / answered * 1e3, 2) for g, v in groups.items()},
+                      "cores_busy": round(sum(groups.values()) / wall, 2)})
+        log(f"{tag}: closed loop at {concurrency} outstanding: {report.items_per_s:,.0f} items/s, "
+            f"{sum(groups.values()) / answered * 1e3:.1f} core-ms a query on {steps[-1]['cores_busy']} cores")
+    best = max(steps, key=lambda st: st["items_per_s"] if not st["errors"] else 0.0)
+    return {"steps": steps, "best": best}
 
 
 def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> dict[str, Any]:
@@ -663,7 +704,42 @@ def summarize(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace
         offline["ideal_qps"] = ideal
         first = args.p99_ms[0]
         out[model] = {"offline": offline, "ratios": ratios, "orders": [r["order"] for r in runs],
-                      "servers": {n: _median_entry(e, first) for n, e in entries.items() if e}}
+                      "servers": {n: _median_entry(e, first) for n, e in entries.items() if e},
+                      "own_speed": own_speed_split(runs, args)}
+    return out
+
+
+def own_speed_split(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Per server, medians over runs: best closed-loop items/s, that / offline's, the ideal server at that
+    speed (q/s per bound), the server's q/s / that ideal (an interval), and CPU per query by thread group."""
+    out: dict[str, Any] = {}
+    for name in SERVERS:
+        per_run = [(r, r["servers"][name]) for r in runs
+                   if "saturation" in r["servers"].get(name, {}) and r["servers"][name]["saturation"]["steps"]]
+        if not per_run:
+            continue
+        speeds = [e["saturation"]["best"]["items_per_s"] for _, e in per_run]
+        entry: dict[str, Any] = {
+            "items_per_s": statistics.median(speeds),
+            "of_offline": statistics.median(e["saturation"]["best"]["items_per_s"] / r["offline"]["best_items_per_s"]
+                                            for r, e in per_run),
+            "concurrency": sorted({e["saturation"]["best"]["concurrency"] for _, e in per_run}),
+            "ideal_qps": {}, "of_ideal_own": {}, "of_ideal": {}}
+        for bound in args.p99_ms:
+            own = [ideal_max_qps(e["saturation"]["best"]["items_per_s"], MLPerfQuerySizes(), bound,
+                                 queries=IDEAL_QUERIES).max_qps for _, e in per_run]
+            entry["ideal_qps"][bound] = statistics.median(own)
+            entry["of_ideal_own"][bound] = _median_ratio([_ratio(_interval(_bound(e, bound)), (o, o))
+                                                          for (_, e), o in zip(per_run, own)])
+            entry["of_ideal"][bound] = statistics.median(
+                _div(o, ideal_qps(r["offline"], bound)) for (r, _), o in zip(per_run, own))
+        groups: dict[str, list[float]] = {}
+        for _, e in per_run:
+            for g, v in e["saturation"]["best"]["cpu_ms_per_query"].items():
+                groups.setdefault(g, []).append(v)
+        entry["cpu_ms_per_query"] = {g: statistics.median(v + [0.0] * (len(per_run) - len(v)))
+                                     for g, v in groups.items()}
+        out[name] = entry
     return out
 
 
@@ -718,6 +794,21 @@ def format_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
         for b in bounds:
             r = s["ratios"][b]
             lines.append(f"| {model} | {b:g} ms | " + " | ".join(_fmt_ratio(r[f"{n}/{d}"]) for n, d in RATIOS) + " |")
+    split = [(m, n, e) for m, s in summary.items() for n, e in s.get("own_speed", {}).items()]
+    if split:
+        first = bounds[0]
+        lines += ["", f"Where the gap to the ideal server goes (p99 <= {first:g} ms): sixfold / ideal = "
+                  "(ideal at the server's own speed / ideal) x (server / ideal at its own speed).", "",
+                  "| model | server | own speed: best closed-loop items/s (outstanding) | / offline's best "
+                  f"| ideal at own speed, q/s | = x of the ideal | server / ideal at own speed "
+                  "| CPU per query there, core-ms by threads |", "|---|---|---|---|---|---|---|---|"]
+        for model, name, e in split:
+            cpu = ", ".join(f"{g} {v:.1f}" for g, v in e["cpu_ms_per_query"].items() if v >= 0.05)
+            total = sum(e["cpu_ms_per_query"].values())
+            lines.append(f"| {model} | {LABEL[name]} | {e['items_per_s']:,.0f} "
+                         f"({', '.join(map(str, e['concurrency']))}) | {e['of_offline']:.2f} "
+                         f"| {e['ideal_qps'][first]:.2f} | {e['of_ideal'][first]:.2f} "
+                         f"| {_fmt_ratio(e['of_ideal_own'][first])} | {total:.1f}: {cpu} |")
     return "\n".join(lines)
 
 
@@ -825,6 +916,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=None, help="bisection stops within this fraction (default 0.15)")
     p.add_argument("--offline-batches", type=_ints, default=None,
                    help="offline batch sizes in items (default 64,128,256,512,1024,2048)")
+    p.add_argument("--saturation", type=_ints, default=None,
+                   help="closed loops at these many outstanding queries measure each server's own best speed "
+                        "and CPU per query by stage, for the ideal server at that speed (default 4,8,16; "
+                        "--quick 8; 0: none)")
+    p.add_argument("--saturation-s", type=float, default=None,
+                   help="measured seconds of each closed loop (default 5; --quick 2)")
     p.add_argument("--skip-mlserver", action="store_true", help="leave MLServer out")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
     p.add_argument("--skip-shm", action="store_true",
@@ -853,6 +950,9 @@ def main(argv: list[str] | None = None) -> int:
     args.idle_repeats = 3 if q else 5
     args.offline_again = not q
     args.check_sizes = (100, 270, 700)
+    args.saturation = [c for c in (args.saturation if args.saturation is not None else ([8] if q else [4, 8, 16]))
+                       if c > 0]
+    args.saturation_s = args.saturation_s or (2.0 if q else 5.0)
     for m in args.models:
         models.get_config(m)  # an unknown name fails here, listing the names that exist
 
