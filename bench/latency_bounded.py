@@ -27,11 +27,7 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
 
 Per server: a few concurrent queries whose scores are checked against the offline model
 (``answers``); idle latency (one query at a time, median and min of 5) at 270 items (the mean MLPerf
-query) and 700 (the largest, 5% of the mix, so the p99 query); 2 s of closed-loop warmup; its own
-speed (``--saturation``: closed loops of MLPerf-sized queries at 4, 8 and 16 outstanding, the best
-items/s kept) with the CPU each group of its threads used per query there (``bench/_thread_cpu.py``:
-cards, host stage, event loop, the rest), and the ideal server *at that speed*, which splits
-``server / ideal`` into what the server loses to its speed and what it loses to scheduling; then,
+query) and 700 (the largest, 5% of the mix, so the p99 query); 2 s of closed-loop warmup; then,
 per latency bound (``--p99-ms``, default 60 and 250), ``loadgen.find_max_qps_async`` (the
 ``--find-max-qps`` search of ``sixfold-loadgen``, run in this process): open-loop Poisson
 arrivals, query sizes ``mlperf`` (100..700 items, MLPerf DLRM's 20-quantile table), the model's
@@ -41,6 +37,11 @@ queries outstanding (the warmup), doubles (up to 4x offline), halves down to 1 q
 step fails, then bisects, at most ``--max-steps`` steps. At these rates a step holds some 10-150
 queries, so its p99 is near its maximum: strict, and the same for every server; a passing step
 with fewer than 40 queries is marked (†) and counts only as "at most" that rate for the goals.
+After the searches, the server's own speed (``--saturation``: closed loops of MLPerf-sized queries
+at 4, 8 and 16 outstanding, the best items/s kept) with the CPU each group of its threads used per
+query there (``bench/_thread_cpu.py``: cards, host stage, event loop, the rest), and the ideal
+server *at that speed*, which splits ``server / ideal`` into what the server loses to its speed
+and what it loses to scheduling.
 A bound below the server's fastest idle 700-item latency is not searched: every one of the
 largest queries (5% of all) misses it with no queueing at all, so no rate meets it (reported
 as 0). 60 ms is the requirement's bound; 250 ms is a second, looser one that shows how the
@@ -492,8 +493,6 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
                                                            client=_client(name),
                                                            channels=_channels(args, _client(name)))))
             entry["closed_loop_qps"] = round(float(warm.achieved_qps), 2)
-            if args.saturation:
-                entry["saturation"] = measure_saturation(server, url, model, cfg, run, name, args)
             # The search starts at a quarter of what 2 outstanding queries get: a rate near the answer for
             # the looser bound, whatever the (noisy) offline figure was.
             start = max(FLOOR_QPS, round(entry["closed_loop_qps"] / 4, 2))
@@ -510,6 +509,8 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
                 entry["bounds"][bound] = result
                 start = max(start, result["max_qps"] or 0.0)  # passes a looser bound too: start there
                 log(f"{tag}: p99 <= {bound:g} ms: max {_qps(result)} q/s")
+            if args.saturation:  # after the searches: an overload must not change what they measure
+                entry["saturation"] = measure_saturation(server, url, model, cfg, run, name, args)
         entry["alive_after"] = server.alive
         entry["server_errors_logged"] = server.errors
         entry["seconds"] = round(time.perf_counter() - t0, 1)
@@ -521,7 +522,8 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
 def measure_saturation(server: ServerProc, url: str, model: str, cfg: models.ModelConfig, run: int, name: str,
                        args: argparse.Namespace) -> dict[str, Any]:
     """The server's own best speed: closed loops of MLPerf-sized queries at each of ``args.saturation``
-    outstanding, and the CPU its threads used per query there, by stage (``bench._thread_cpu``).
+    outstanding (after the latency searches), and the CPU its threads used per query there, by stage
+    (``bench._thread_cpu``).
 
     The ideal server at *this* speed (``ideal_max_qps`` of the best items/s) separates what a server
     loses to its speed (CPU per query: serving overhead, simulated cards on the host's cores) from
@@ -533,8 +535,8 @@ def measure_saturation(server: ServerProc, url: str, model: str, cfg: models.Mod
     for concurrency in args.saturation:
         pids = group_pids(server.proc.pid) if server.proc is not None else []
         before, t0 = thread_cpu(pids), time.perf_counter()
-        # No warmup: the closed loop at 2 outstanding has just warmed the server, and the CPU read here
-        # must be the measured window's.
+        # No warmup: the server is warm from the searches, and the CPU read here must be the measured
+        # window's.
         report = asyncio.run(run_load_async(_load_config(
             url, model, cfg, qps=0, duration_s=args.saturation_s, concurrency=concurrency,
             seed=1000 * run + 700 + concurrency, client=_client(name), channels=_channels(args, _client(name)))))
