@@ -105,7 +105,7 @@ class HostDenseTuner:
     """
 
     def __init__(self, max_rows: int = -1, *, limit: int = 256, explore_every: int = 20,
-                 alpha: float = 0.2, min_samples: int = 3, stale_after_s: float = 1.0, decay_s: float = 0.25,
+                 alpha: float = 0.2, min_samples: int = 3, stale_after_s: float = 1.0, decay_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_rows < -1:
             raise ValueError(f"host_dense_max_rows must be -1 (auto), 0 (off) or a row count, got {max_rows}")
