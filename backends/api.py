@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .os_thread_names import name_this_thread, os_thread_name
+from .os_threads import os_thread_name, start_worker_thread
 from .spec import DeviceSpec
 
 __all__ = ["PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit", "Arrays"]
@@ -69,6 +69,9 @@ class Executable(ABC):
         self.artifact = artifact
         self.device = device
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.worker_nice = 0
+        """How much lower than the server's threads the worker thread runs (``backends.os_threads``):
+        0 for a card that computes on its own silicon; a simulated card sets it, see ``simcard``."""
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -92,7 +95,8 @@ class Executable(ABC):
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"{self.device.name}-{self.artifact.name}",
-                initializer=name_this_thread, initargs=(os_thread_name(self.artifact.name, self.device.name),))
+                initializer=start_worker_thread,
+                initargs=(os_thread_name(self.artifact.name, self.device.name), self.worker_nice))
         return self._executor
 
     def memory_bytes(self) -> int:

@@ -37,7 +37,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
@@ -48,6 +47,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from backends.os_threads import start_worker_thread
 from partitioner.deltas import DELTA_FILE, Delta, DeltaError, read_delta, version_fingerprint
 
 from .errors import InvalidInput, ModelNotFound, ServingError
@@ -96,18 +96,13 @@ NICE = 10
 """Delta work off the serving path (checks, conversion, persisting, page faults) runs at this niceness."""
 
 
-def _lower_priority() -> None:
-    try:  # NOTE: Linux: a thread's own niceness; serving threads win the CPU from delta work
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-    except (OSError, AttributeError):
-        pass
-
-
 async def _background(fn: Any, *args: Any) -> Any:
     """Run ``fn(*args)`` on the delta worker thread (one, at a lower CPU priority than serving)."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(1, thread_name_prefix="sixfold-delta", initializer=_lower_priority)
+        # serving threads win the CPU from delta work
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="sixfold-delta", initializer=start_worker_thread,
+                                   initargs=("sixfold-delta", NICE))
     return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args))
 
 
