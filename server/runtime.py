@@ -63,7 +63,7 @@ class _Ewma:
     def add(self, sample: float, alpha: float, at: float = 0.0, decay_s: float = 0.0) -> None:
         """Move ``alpha`` of the way to ``sample``, or more after a gap: a sample ``decay_s`` after the
         last one moves it 63% of the way (time-decayed, as a load balancer's peak EWMA), so a rarely
-        sampled average is not months behind."""
+        sampled average does not lag behind a change of load by many samples."""
         if self.count and decay_s > 0:
             alpha = max(alpha, 1.0 - math.exp(-max(0.0, at - self.at) / decay_s))
         self.value = sample if self.count == 0 else self.value + alpha * (sample - self.value)
@@ -100,8 +100,8 @@ class HostDenseTuner:
     samples (a sample ``decay_s`` after the previous one moves its side 63% of the way). Without
     that, a burst inflated the cards' figure (many samples, each with a queue), moved every small
     batch onto the single host thread, and the cards' figure then came back down a fifth of the way
-    per exploring batch, one batch in 20: after 5 s of 16 queries outstanding on dlrm-mlperf, 210 of
-    the next 275 batches still ran on the host at 25 q/s, and half of them 20 s later.
+    per exploring batch, one batch in 20: after 5 s of 16 queries outstanding on dlrm-mlperf, 170 of
+    the next 275 batches at 25 q/s still ran on the host, and 66 of the 275 after those.
     """
 
     def __init__(self, max_rows: int = -1, *, limit: int = 256, explore_every: int = 20,
