@@ -55,6 +55,7 @@ DEFAULT_WORKER_NICE = 5
 """Simulated cards' worker threads run this much nicer than the server's (see ``SimCardBackend``).
 Measured on dlrm-mlperf at 25 q/s, 3 alternated rounds: host stage p99 19.7 / 17.9 / 21.6 ms against
 26.9 / 23.1 / 26.1 at 0, client p99 59.2 / 58.0 / 59.1 against 64.2 / 58.0 / 64.8."""
+
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
