@@ -531,16 +531,17 @@ def measure_saturation(server: ServerProc, url: str, model: str, cfg: models.Mod
     speed / ideal) x (sixfold / ideal at own speed).
     """
     tag = f"[{model} run {run + 1}] {name}"
+    assert server.proc is not None  # started: measure_server got its url
+    pids = group_pids(server.proc.pid)  # the server's processes (workers, MLServer's children) stay put
     steps = []
     for concurrency in args.saturation:
-        pids = group_pids(server.proc.pid) if server.proc is not None else []
         before, t0 = thread_cpu(pids), time.perf_counter()
         # No warmup: the server is warm from the searches, and the CPU read here must be the measured
         # window's.
         report = asyncio.run(run_load_async(_load_config(
             url, model, cfg, qps=0, duration_s=args.saturation_s, concurrency=concurrency,
             seed=1000 * run + 700 + concurrency, client=_client(name), channels=_channels(args, _client(name)))))
-        groups = cpu_by_group(before, thread_cpu(group_pids(server.proc.pid) if server.proc is not None else []))
+        groups = cpu_by_group(before, thread_cpu(pids))
         wall = time.perf_counter() - t0
         answered = max(1, report.requests.get("ok", 0))
         steps.append({"concurrency": concurrency, "items_per_s": round(float(report.items_per_s), 1),
@@ -687,9 +688,10 @@ def summarize(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace
         entries = {name: [r["servers"][name] for r in runs if name in r["servers"]] for name in SERVERS}
         ratios: dict[float, dict[str, Any]] = {}
         ideal: dict[float, float] = {}
+        ideal_by_run: dict[float, list[float]] = {}
         for bound in args.p99_ms:
             ratios[bound] = {}
-            per_run_ideal = [ideal_qps(r["offline"], bound) for r in runs]
+            per_run_ideal = ideal_by_run[bound] = [ideal_qps(r["offline"], bound) for r in runs]
             ideal[bound] = statistics.median(per_run_ideal)
             for num, den in RATIOS:
                 values = []
@@ -707,39 +709,41 @@ def summarize(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace
         first = args.p99_ms[0]
         out[model] = {"offline": offline, "ratios": ratios, "orders": [r["order"] for r in runs],
                       "servers": {n: _median_entry(e, first) for n, e in entries.items() if e},
-                      "own_speed": own_speed_split(runs, args)}
+                      "own_speed": own_speed_split(runs, args, ideal_by_run)}
     return out
 
 
-def own_speed_split(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def own_speed_split(runs: list[dict[str, Any]], args: argparse.Namespace,
+                    ideal_by_run: dict[float, list[float]]) -> dict[str, Any]:
     """Per server, medians over runs: best closed-loop items/s, that / offline's, the ideal server at that
-    speed (q/s per bound), the server's q/s / that ideal (an interval), and CPU per query by thread group."""
+    speed (q/s per bound), the server's q/s / that ideal (an interval), and CPU per query by thread group.
+    ``ideal_by_run``: the ideal server's q/s per bound, one per run (``summarize`` has them)."""
     out: dict[str, Any] = {}
     for name in SERVERS:
-        per_run = [(r, r["servers"][name]) for r in runs
-                   if "saturation" in r["servers"].get(name, {}) and r["servers"][name]["saturation"]["steps"]]
-        if not per_run:
+        measured = [(i, r["servers"][name]) for i, r in enumerate(runs)
+                    if r["servers"].get(name, {}).get("saturation", {}).get("steps")]
+        if not measured:
             continue
-        speeds = [e["saturation"]["best"]["items_per_s"] for _, e in per_run]
+        best = [e["saturation"]["best"] for _, e in measured]
         entry: dict[str, Any] = {
-            "items_per_s": statistics.median(speeds),
-            "of_offline": statistics.median(e["saturation"]["best"]["items_per_s"] / r["offline"]["best_items_per_s"]
-                                            for r, e in per_run),
-            "concurrency": sorted({e["saturation"]["best"]["concurrency"] for _, e in per_run}),
+            "items_per_s": statistics.median(b["items_per_s"] for b in best),
+            "of_offline": statistics.median(b["items_per_s"] / runs[i]["offline"]["best_items_per_s"]
+                                            for (i, _), b in zip(measured, best)),
+            "concurrency": sorted({b["concurrency"] for b in best}),
             "ideal_qps": {}, "of_ideal_own": {}, "of_ideal": {}}
         for bound in args.p99_ms:
-            own = [ideal_max_qps(e["saturation"]["best"]["items_per_s"], MLPerfQuerySizes(), bound,
-                                 queries=IDEAL_QUERIES).max_qps for _, e in per_run]
+            own = [ideal_max_qps(b["items_per_s"], MLPerfQuerySizes(), bound, queries=IDEAL_QUERIES).max_qps
+                   for b in best]
             entry["ideal_qps"][bound] = statistics.median(own)
             entry["of_ideal_own"][bound] = _median_ratio([_ratio(_interval(_bound(e, bound)), (o, o))
-                                                          for (_, e), o in zip(per_run, own)])
-            entry["of_ideal"][bound] = statistics.median(
-                _div(o, ideal_qps(r["offline"], bound)) for (r, _), o in zip(per_run, own))
+                                                          for (_, e), o in zip(measured, own)])
+            entry["of_ideal"][bound] = statistics.median(_div(o, ideal_by_run[bound][i])
+                                                         for (i, _), o in zip(measured, own))
         groups: dict[str, list[float]] = {}
-        for _, e in per_run:
-            for g, v in e["saturation"]["best"]["cpu_ms_per_query"].items():
+        for b in best:
+            for g, v in b["cpu_ms_per_query"].items():
                 groups.setdefault(g, []).append(v)
-        entry["cpu_ms_per_query"] = {g: statistics.median(v + [0.0] * (len(per_run) - len(v)))
+        entry["cpu_ms_per_query"] = {g: statistics.median(v + [0.0] * (len(best) - len(v)))
                                      for g, v in groups.items()}
         out[name] = entry
     return out
