@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                              "baseline of the ratios")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                         help="one more sixfold server with these extra sixfold-serve arguments, measured side by "
-                             "side (repeatable), e.g. --variant 'window=--no-idle-dispatch'")
+                             "side (repeatable), e.g. --variant 'window=--no-all-in-dispatch'")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
                         help=f"perf_analyzer's concurrency (default {CONCURRENCY})")
     parser.add_argument("--perf-analyzer", type=Path, default=None, help=f"perf_analyzer command (default {TOOL})")
