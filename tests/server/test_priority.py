@@ -193,10 +193,12 @@ def slow_rm1():
     batching = BatchingConfig(max_batch_rows=ROWS, max_queue_delay_microseconds=0, max_inflight_batches=1,
                               max_queue_size=64, priority_levels=2, default_priority_level=2,
                               priority_queue_policy={1: QueuePolicy(max_queue_size=2)})
+    # NOTE: host dense off: the tuner explores the host with every 2nd batch, which finishes in a few ms,
+    # so two batches in a row ended ~5 ms apart and their responses could reach the client in either
+    # order (CI, 2 cores busy: low0 before high1). Every batch held ~200 ms on a card keeps them apart.
     served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=batching,
-                              backend_options={"faults": {"slow_factor": 4000.0}})
-    # NOTE: no warm-up: its batches would teach the host-dense tuner that these throttled cards are slow,
-    # and the test needs every batch held on a card
+                              backend_options={"faults": {"slow_factor": 4000.0}}, host_dense_max_rows=0)
+    # NOTE: no warm-up: the test needs the first batch held on a card while the others queue
     background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=free_port(),
                                                                         warmup=False), metrics).start()
     try:
