@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import machine_line, publish  # noqa: E402
+from bench._common import command, machine_line, publish  # noqa: E402
 from loadgen import LoadConfig  # noqa: E402
 from loadgen.record import ERROR, OK  # noqa: E402
 from loadgen.runner import Target, drive, plan_run  # noqa: E402
@@ -71,7 +71,7 @@ class Server:
     def __init__(self, repo: Path) -> None:
         self.grpc, self.http = _free_port(), _free_port()
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "sixfold-serve"), "--model-repository", str(repo),
+            [*command("sixfold-serve"), "--model-repository", str(repo),
              "--model-control-mode", "explicit", "--control-token", TOKEN, "--load-model", MODEL,
              "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", "-1",
              "--drain-seconds", "0", "--cards", "6"],

@@ -39,7 +39,7 @@ import tritonclient.grpc.aio as tca  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 import models  # noqa: E402
-from bench._common import machine_line, publish  # noqa: E402
+from bench._common import command, machine_line, publish  # noqa: E402
 from server.process import ReadyProcess  # noqa: E402
 from tests.conftest import triton_inputs  # noqa: E402
 
@@ -68,7 +68,7 @@ def _status_mb(pid: int, key: str) -> float:
 
 
 def _start(extra: list[str]) -> ReadyProcess:
-    cmd = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", MODEL, "--max-rows", str(MAX_ROWS),
+    cmd = [*command("sixfold-serve"), "--model", MODEL, "--max-rows", str(MAX_ROWS),
            "--cards", "6", "--grpc-port", "0", "--http-port", "-1", "--metrics-port", "-1",
            "--log-level", "WARNING", *extra]
     server = ReadyProcess(cmd, timeout_s=300)

@@ -93,7 +93,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
-from bench._common import machine_line, write_section  # noqa: E402
+from bench._common import command, machine_line, write_section  # noqa: E402
 from bench._thread_cpu import cpu_by_group, group_pids, thread_cpu  # noqa: E402
 from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
 from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client  # noqa: E402
@@ -231,15 +231,17 @@ async def _wait_model(url: str, model: str, timeout_s: float) -> None:
 
 
 def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tree: str | None = None,
-                   workers: int = 1) -> ServerProc:
+                   workers: int = 1, extra: list[str] | None = None) -> ServerProc:
     """``tree``: serve with the code of another source tree (e.g. ``git archive`` of an earlier commit), put
     first on PYTHONPATH, with this venv's packages: a before/after comparison in one run. ``workers``:
-    ``sixfold-serve --workers`` (a tree from before the option serves with one)."""
-    argv = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", model, "--max-rows", str(max_rows),
+    ``sixfold-serve --workers`` (a tree from before the option serves with one). ``extra``: more
+    ``sixfold-serve`` arguments (``--serve-arg``), for every sixfold server."""
+    argv = [*command("sixfold-serve"), "--model", model, "--max-rows", str(max_rows),
             "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
             "--http-port", "-1", "--drain-seconds", "0"]
     if workers > 1 and tree is None:
         argv += ["--workers", str(workers)]
+    argv += extra or []
     if not batching:
         argv += ["--max-batch-rows", "1", "--max-queue-delay-us", "0"]
     env = None
@@ -458,9 +460,10 @@ def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
     if name == "mlserver":
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
     if name == "sixfold-before":
-        return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree)
+        return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree,
+                              extra=args.serve_arg)
     return sixfold_server(model, args.max_rows, args.cards, batching=name in ("sixfold", "sixfold-shm"),
-                          workers=args.workers)
+                          workers=args.workers, extra=args.serve_arg)
 
 
 def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cfg: models.ModelConfig,
@@ -861,7 +864,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f">= 90% of the rate answered. A bound below a server's idle {LARGEST_QUERY}-item latency (the p99 "
         f"query size; the fastest of {args.idle_repeats}) is not searched: no rate can meet it. "
         f"{args.runs} run(s); figures are the median run's, ratios medians of per-run ratios.",
-        f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve --cards {args.cards}{(' --workers ' + str(args.workers)) if args.workers > 1 else ''}` "
+        f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve --cards {args.cards}{(' --workers ' + str(args.workers)) if args.workers > 1 else ''}{''.join(' ' + a for a in args.serve_arg)}` "
         f"(simcard), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
@@ -912,6 +915,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1,
                    help="server processes of each sixfold server (sixfold-serve --workers; default 1: "
                         "on 2 cores more cannot help; on a bigger host, try one per spare core)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more sixfold-serve argument for every sixfold server, e.g. "
+                        "--serve-arg=--backend-option --serve-arg=intra_op_threads=2 (repeatable)")
     p.add_argument("--p99-ms", type=_floats, default=None,
                    help="latency bounds, comma-separated; the first one is the goals' (default 60,250; --quick 60)")
     p.add_argument("--runs", type=int, default=1, help="repeat everything, servers in a rotated order (default 1)")

@@ -33,7 +33,7 @@ import tritonclient.http.aio as tha
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402
-from bench._common import machine_line  # noqa: E402
+from bench._common import command, machine_line  # noqa: E402
 from server.process import ReadyProcess  # noqa: E402
 
 MODEL = "rm2"
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="length of one measured run")
     p.add_argument("--max-rows", type=int, default=20000, help="rows per embedding table of the served rm2")
     args = p.parse_args(argv)
-    cmd = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", MODEL, "--max-rows", str(args.max_rows),
+    cmd = [*command("sixfold-serve"), "--model", MODEL, "--max-rows", str(args.max_rows),
            "--grpc-port", "0", "--http-port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
     load_before = os.getloadavg()
     server = ReadyProcess(cmd, timeout_s=300)

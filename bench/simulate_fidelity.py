@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import models  # noqa: E402
-from bench._common import machine_line, publish  # noqa: E402
+from bench._common import command, machine_line, publish  # noqa: E402
 from server.process import ReadyProcess  # noqa: E402
 
 SECTION = "simulate-fidelity"
@@ -119,7 +119,7 @@ def measure_serving(args: argparse.Namespace, spec_path: str) -> list[dict[str, 
     from loadgen import LoadConfig, run_load
 
     metrics_port = free_port()
-    cmd = [str(Path(sys.executable).parent / "sixfold-serve"), "--model", args.model, "--max-rows",
+    cmd = [*command("sixfold-serve"), "--model", args.model, "--max-rows",
            str(args.max_rows), "--cards", str(args.cards), "--card-spec", spec_path, "--host-spec", args.host_spec,
            "--grpc-port", "0", "--http-port", "-1", "--metrics-port", str(metrics_port), "--log-level", "WARNING",
            "--host-dense-max-rows", str(args.host_dense_max_rows)]

@@ -41,9 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import machine_line, publish  # noqa: E402
-
-BIN = Path(sys.executable).parent
+from bench._common import command, machine_line, publish  # noqa: E402
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -56,7 +54,7 @@ class Server:
     """``sixfold-serve`` in its own process; RSS sampled while it runs."""
 
     def __init__(self, repo: Path, log: Path, extra: list[str], port: int, metrics_port: int) -> None:
-        self.cmd = [str(BIN / "sixfold-serve"), "--model-repository", str(repo), "--grpc-port", str(port),
+        self.cmd = [*command("sixfold-serve"), "--model-repository", str(repo), "--grpc-port", str(port),
                     "--http-port", "-1", "--metrics-port", str(metrics_port), "--drain-seconds", "0", *extra]
         self.log, self.port, self.metrics_port = log, port, metrics_port
         self.rss: list[float] = []
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (version / "plan.json").exists():
             t0 = time.monotonic()
-            _run([str(BIN / "sixfold-partition"), "tables", "build", args.model, "--table-precision", "int8",
+            _run([*command("sixfold-partition"), "tables", "build", args.model, "--table-precision", "int8",
                   "--packed-only", "--cards", str(args.cards), "--out", str(version),
                   *(["--max-rows", str(args.max_rows)] if args.max_rows else [])], log)
             figures["build_s"] = time.monotonic() - t0
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         figures["table_bytes"] = tables
         recording = repo / "yesterday.npz"
         url = f"127.0.0.1:{args.port}"
-        loadgen = [str(BIN / "sixfold-loadgen"), "--url", url, "--model", name, "--query-size", "mlperf",
+        loadgen = [*command("sixfold-loadgen"), "--url", url, "--model", name, "--query-size", "mlperf",
                    "--pool", "300", "--wait-ready", "120"]
         if not recording.exists():
             with Server(repo, log, ["--cards", str(args.cards)], args.port, args.port + 2):

@@ -1,0 +1,38 @@
+"""bench/_common.py: starting the project's commands with or without an install."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench._common import command
+
+
+def test_an_installed_command_is_its_console_script() -> None:
+    script = Path(sys.executable).parent / "sixfold-serve"
+    if script.exists():  # the venv of `make test` has it
+        assert command("sixfold-serve") == [str(script)]
+
+
+def test_without_an_install_the_command_runs_from_the_checkout(tmp_path: Path) -> None:
+    argv = command("sixfold-serve", bin_dir=tmp_path)  # no console script there: a lent machine with no install
+    assert argv[0] == sys.executable and "server.cli" in argv[-1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([*argv, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: sixfold-serve"), done.stdout[:200]
+
+
+def test_a_tree_first_on_pythonpath_wins_over_the_checkout(tmp_path: Path) -> None:
+    """``--baseline-tree``: the other tree's code serves, not this checkout's."""
+    fake = tmp_path / "tree" / "server"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "cli.py").write_text("def main():\n    print('the other tree')\n    return 0\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "tree")}
+    done = subprocess.run(command("sixfold-serve", bin_dir=tmp_path), cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "the other tree"
