@@ -9,7 +9,7 @@ from typing import Any
 
 from .api import BackendError
 
-__all__ = ["reject_unknown", "int_option", "parse_option", "load_options_file"]
+__all__ = ["reject_unknown", "int_option", "bool_option", "parse_option", "load_options_file"]
 
 
 def reject_unknown(backend: str, options: Mapping[str, Any], known: Iterable[str]) -> None:
@@ -25,6 +25,13 @@ def int_option(backend: str, option: str, value: Any, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum``, or BackendError quoting it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise BackendError(f"backend {backend}: option {option} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def bool_option(backend: str, option: str, value: Any) -> bool:
+    """``value`` as a bool (``true``/``false`` from the command line), or BackendError quoting it."""
+    if not isinstance(value, bool):
+        raise BackendError(f"backend {backend}: option {option} must be true or false, got {value!r}")
     return value
 
 

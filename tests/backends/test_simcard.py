@@ -78,3 +78,53 @@ def test_functional_backend_choices_are_checked():
         SimCardBackend(functional="simcard")
     with pytest.raises(BackendNotFound, match="no backend named 'tpu9000'"):
         SimCardBackend(functional="tpu9000")
+
+
+async def test_cards_loading_one_partition_share_its_functional_executable_and_the_last_card_closes_it():
+    clock = FakeClock()
+    backend = SimCardBackend(clock=clock, sleep=clock.sleep)
+    cards = [backend.load(MLP.artifact(), device(f"card{i}")) for i in range(3)]
+    other = backend.load(mlp(hidden=32, seed=6).artifact(), device("card3"))  # another partition: its own
+    assert cards[1].inner is cards[0].inner and cards[2].inner is cards[0].inner
+    assert other.inner is not cards[0].inner
+    feeds = [batch(MLP, 3 + i, seed=i) for i in range(12)]
+    outs = await asyncio.gather(*(cards[i % 3].infer(f) for i, f in enumerate(feeds)))
+    for feed, out in zip(feeds, outs):
+        np.testing.assert_allclose(out["scores"], MLP.reference(feed), rtol=1e-5, atol=1e-6)
+    assert [c.stats().batches for c in cards] == [4, 4, 4]  # each card its own queue and counts
+    assert backend.memory_used("card1") == MLP.artifact().param_bytes  # each card still holds its copy
+    shared = cards[0].inner
+    cards[0].close()
+    np.testing.assert_allclose((await cards[1].infer(feeds[0]))["scores"], MLP.reference(feeds[0]), rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(BackendError, match="closed"):
+        cards[0].run(feeds[0])
+    cards[1].close()
+    cards[2].close()
+    with pytest.raises(BackendError, match="closed"):
+        shared.run(feeds[0])  # the last card sharing it closed it
+    again = backend.load(MLP.artifact(), device("card0"))  # a restarted card loads afresh
+    assert again.inner is not shared
+    np.testing.assert_allclose(again.run(feeds[1])["scores"], MLP.reference(feeds[1]), rtol=1e-5, atol=1e-6)
+    again.close()
+    other.close()
+
+
+def test_with_sharing_off_or_a_functional_backend_not_thread_safe_each_card_loads_its_own():
+    class OneAtATime(OnnxRuntimeBackend):
+        name = "one-at-a-time"
+
+        def load(self, artifact, device):
+            executable = super().load(artifact, device)
+            executable.thread_safe = False
+            return executable
+
+    for backend in (SimCardBackend(share_functional=False), SimCardBackend(functional=OneAtATime())):
+        cards = [backend.load(MLP.artifact(), device(f"card{i}")) for i in range(2)]
+        assert cards[0].inner is not cards[1].inner
+        cards[0].close()
+        feed = batch(MLP, 5, seed=1)
+        np.testing.assert_allclose(cards[1].run(feed)["scores"], MLP.reference(feed), rtol=1e-5, atol=1e-6)
+        cards[1].close()
+    with pytest.raises(BackendError, match="option share_functional must be true or false, got 'yes'"):
+        SimCardBackend(share_functional="yes")
