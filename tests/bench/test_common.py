@@ -10,10 +10,11 @@ from pathlib import Path
 from bench._common import command
 
 
-def test_an_installed_command_is_its_console_script() -> None:
-    script = Path(sys.executable).parent / "sixfold-serve"
-    if script.exists():  # the venv of `make test` has it
-        assert command("sixfold-serve") == [str(script)]
+def test_an_installed_command_is_its_console_script(tmp_path: Path) -> None:
+    script = tmp_path / "sixfold-serve"  # what `pip install` puts beside the interpreter
+    script.write_text("#!/bin/sh\n")
+    assert command("sixfold-serve", bin_dir=tmp_path) == [str(script)]
+    assert command("sixfold-loadgen", bin_dir=tmp_path)[:2] == [sys.executable, "-P"]  # not installed there
 
 
 def test_without_an_install_the_command_runs_from_the_checkout(tmp_path: Path) -> None:
