@@ -12,24 +12,27 @@ __all__ = ["BENCHMARKS", "command", "machine_line", "publish", "write_section"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "BENCHMARKS.md"
+# NOTE: pyproject's [project.scripts] (tests/bench/test_common.py keeps the two equal)
 _ENTRY_POINTS = {"sixfold-serve": "server.cli", "sixfold-partition": "partitioner.cli",
-                 "sixfold-loadgen": "loadgen.cli", "sixfold-simulate": "simulate.cli", "sixfold-delta": "server.delta_cli"}
+                 "sixfold-loadgen": "loadgen.cli", "sixfold-simulate": "simulate.cli",
+                 "sixfold-delta": "server.delta_cli"}
 
 
 def command(script: str, bin_dir: Path | None = None) -> list[str]:
     """How to start one of the project's commands (``sixfold-serve``, ...) in a child process.
 
     The console script beside this interpreter where the project is installed; else this interpreter
-    running the same entry point from this checkout (a lent machine with no install). ``-P`` and the
-    checkout appended to ``sys.path``: a tree put first on PYTHONPATH (``--baseline-tree``) still wins.
+    running the same entry point from this checkout (a lent machine with no install). The current
+    directory is dropped from ``sys.path`` and the checkout appended: a tree put first on PYTHONPATH
+    (``--baseline-tree``) still wins.
     """
     installed = (Path(sys.executable).parent if bin_dir is None else bin_dir) / script
     if installed.exists():
         return [str(installed)]
     module = _ENTRY_POINTS[script]
-    return [sys.executable, "-P", "-c",
-            f"import sys; sys.path.append({str(ROOT)!r}); sys.argv[0] = {script!r}; "
-            f"from {module} import main; sys.exit(main())"]
+    return [sys.executable, "-c",
+            f"import sys; sys.path[:] = [p for p in sys.path if p]; sys.path.append({str(ROOT)!r}); "
+            f"sys.argv[0] = {script!r}; from {module} import main; sys.exit(main())"]
 
 
 def machine_line(*extras: str) -> str:

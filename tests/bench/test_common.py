@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench._common import command
 
 
@@ -14,7 +16,15 @@ def test_an_installed_command_is_its_console_script(tmp_path: Path) -> None:
     script = tmp_path / "sixfold-serve"  # what `pip install` puts beside the interpreter
     script.write_text("#!/bin/sh\n")
     assert command("sixfold-serve", bin_dir=tmp_path) == [str(script)]
-    assert command("sixfold-loadgen", bin_dir=tmp_path)[:2] == [sys.executable, "-P"]  # not installed there
+    assert command("sixfold-loadgen", bin_dir=tmp_path)[:2] == [sys.executable, "-c"]  # not installed there
+
+
+def test_the_entry_points_are_pyproject_s_scripts() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from bench._common import _ENTRY_POINTS
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {name: f"{module}:main" for name, module in _ENTRY_POINTS.items()} == scripts
 
 
 def test_without_an_install_the_command_runs_from_the_checkout(tmp_path: Path) -> None:
