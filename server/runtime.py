@@ -79,9 +79,6 @@ def _ewma(table: dict[int, _Ewma], bucket: int) -> _Ewma:
     return ewma
 
 
-_INF = float("inf")
-
-
 class HostDenseTuner:
     """Which batches run their dense part on the host: those of at most ``threshold`` rows.
 
@@ -141,7 +138,7 @@ class HostDenseTuner:
         if other is not None and other.count >= self.min_samples:
             now = self._clock()
             key = (not host, b)
-            if now - other.at > self.stale_after_s and now - self._explored.get(key, -_INF) > self.stale_after_s:
+            if now - other.at > self.stale_after_s and now - self._explored.get(key, -math.inf) > self.stale_after_s:
                 self._explored[key] = now  # once, not with every batch until its answer is in
                 return not host
         every = self.explore_every if other is not None and other.count >= self.min_samples else 2
