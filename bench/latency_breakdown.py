@@ -11,6 +11,7 @@ and prints p50/p99 of each stage, per request:
     host       the batch's host (embedding) stage
     host_wait  the part of it spent waiting for the host stage's worker, busy with earlier batches
     card       the batch's card stage (split over idle cards, or on the host for small batches)
+    card_wait  the part of it spent waiting for cards held by earlier batches (--card-scheduling fifo)
     finish     batch done -> the request's coroutine resumes (outputs split, futures resolved)
     encode     arrays -> protobuf
     wire       the client's latency (from the scheduled send) less the server's (decode..encode):
@@ -50,8 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-STAGES = ("decode", "validate", "queue", "host", "host_wait", "card", "finish", "encode")
-"""``host_wait`` is the part of ``host`` spent waiting for the host stage's worker (behind other batches)."""
+STAGES = ("decode", "validate", "queue", "host", "host_wait", "card", "card_wait", "finish", "encode")
+"""``host_wait`` is the part of ``host`` spent waiting for the host stage's worker (behind other batches);
+``card_wait`` the part of ``card`` spent waiting for cards (``--card-scheduling fifo``)."""
 
 
 def traced_serve(argv: list[str], out: str) -> int:
@@ -101,7 +103,8 @@ def traced_serve(argv: list[str], out: str) -> int:
             stamp.update(done=done, queue_s=info.queue_s, host_s=info.timings.get("host_s", 0.0),
                          card_s=info.timings.get("card_s", 0.0), rows=item.rows, batch_rows=info.rows,
                          batch_requests=info.requests, on_host=info.timings.get("dense_on_host", 0.0),
-                         host_wait_s=info.timings.get("host_wait_s", 0.0))
+                         host_wait_s=info.timings.get("host_wait_s", 0.0),
+                         card_wait_s=info.timings.get("card_wait_s", 0.0))
             last[0] = stamp
         return outputs
 
@@ -115,7 +118,7 @@ def traced_serve(argv: list[str], out: str) -> int:
             s["encoded"] = time.perf_counter()
             records.append(tuple(s.get(k, 0.0) for k in ("t0", "decoded", "queued", "queue_s", "host_s", "card_s",
                                                          "done", "encoded", "rows", "batch_rows", "batch_requests",
-                                                         "on_host", "host_wait_s")))
+                                                         "on_host", "host_wait_s", "card_wait_s")))
         return reply
 
     servicer_mod.decode_inputs = decode
@@ -133,7 +136,8 @@ def traced_serve(argv: list[str], out: str) -> int:
 
 
 TIMELINE_COLOURS = {"decode": "#9467bd", "validate": "#8c564b", "queue": "#c7c7c7",
-                    "host wait": "#aec7e8", "host": "#1f77b4", "card": "#ff7f0e", "finish": "#2ca02c",
+                    "host wait": "#aec7e8", "host": "#1f77b4", "card wait": "#ffbb78", "card": "#ff7f0e",
+                    "finish": "#2ca02c",
                     "encode": "#17becf"}
 
 
@@ -156,9 +160,12 @@ def plot_timeline(records: list[list[float]], path: str | Path, *, warmup_s: flo
     for row, i in enumerate(near):
         t0, decoded, queued, queue_s, host_s, card_s, done, encoded = r[i, :8]
         wait = r[i, 12] if r.shape[1] > 12 else 0.0
+        card_wait = r[i, 13] if r.shape[1] > 13 else 0.0
         start = queued + queue_s
+        cards = start + host_s
         spans = {"decode": (t0, decoded), "validate": (decoded, queued), "queue": (queued, start),
-                 "host wait": (start, start + wait), "host": (start + wait, start + host_s), "card": (start + host_s, start + host_s + card_s),
+                 "host wait": (start, start + wait), "host": (start + wait, cards),
+                 "card wait": (cards, cards + card_wait), "card": (cards + card_wait, cards + card_s),
                  "finish": (start + host_s + card_s, done), "encode": (done, encoded)}
         for stage, (a, b) in spans.items():
             if b > a:
@@ -186,8 +193,9 @@ def breakdown(records: list[list[float]]) -> dict[str, Any]:
     t0, decoded, queued, queue_s, host_s, card_s, done, encoded, rows = (r[:, i] for i in range(9))
     batch_start = queued + queue_s  # NOTE: queue_s counts from the batcher's clock at enqueue
     host_wait = r[:, 12] if r.shape[1] > 12 else np.zeros(len(r))
+    card_wait = r[:, 13] if r.shape[1] > 13 else np.zeros(len(r))  # waiting for cards (--card-scheduling fifo)
     stages = {"decode": decoded - t0, "validate": queued - decoded, "queue": queue_s, "host": host_s,
-              "host_wait": host_wait, "card": card_s,
+              "host_wait": host_wait, "card": card_s, "card_wait": card_wait,
               "finish": done - batch_start - host_s - card_s, "encode": encoded - done, "server": encoded - t0}
     out: dict[str, Any] = {"requests": len(r), "rows_mean": float(rows.mean()),
                            "batch_rows_mean": float(r[:, 9].mean()), "batch_requests_mean": float(r[:, 10].mean()),

@@ -23,7 +23,7 @@ from .errors import ServingError
 from .logs import configure_logging
 from .metrics import ServerMetrics
 from .process import READY_PREFIX
-from .runtime import DEFAULT_MIN_SPLIT_ROWS
+from .runtime import CARD_SCHEDULING, DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS
 from .siblings import WorkerSet
 from .workers import follow_supervisor, worker_ports_line
 
@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="a batch of at least twice this many items is also split over the cards that are idle, "
                         f"in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; 0: only split "
                         "batches over --max-card-batch-rows)")
+    p.add_argument("--card-scheduling", choices=CARD_SCHEDULING, default=DEFAULT_CARD_SCHEDULING,
+                   help="fifo: batches get the cards in arrival order, each split over as many as it can use "
+                        "(waiting for them); greedy: split over the cards idle when it arrives, else whole on "
+                        f"the least-loaded card (default {DEFAULT_CARD_SCHEDULING}); see docs/scheduling.md")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
     p.add_argument("--no-all-in-dispatch", action="store_true",
                    help="let every batch wait out the batching window (Triton's semantics); by default a batch "
@@ -240,7 +244,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 min_split_rows=args.min_split_rows, card_timeout_multiple=args.card_timeout_multiple,
                 card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
                 table_memory=args.table_memory, cache_policy=args.table_cache_policy,
-                host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from)
+                host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
+                card_scheduling=args.card_scheduling)
         if not quiet:
             print_plan(served.plan, console)
         served_models.append(served)
@@ -258,7 +263,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         card_timeout_floor_s=args.card_timeout_floor_ms / 1e3,
                                         allow_nonfinite=args.allow_nonfinite, table_memory=args.table_memory,
                                         cache_policy=args.table_cache_policy,
-                                        host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from)
+                                        host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
+                card_scheduling=args.card_scheduling)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit",
                                               warmup=not args.no_warmup)

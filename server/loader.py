@@ -23,7 +23,7 @@ from .metrics import ServerMetrics
 from .model import ServedModel
 from .model_config import settings_from_proto
 from .repository import CONFIG_FILE, ModelRepository
-from .runtime import DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
+from .runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
 
 __all__ = ["load_partitioned", "load_builtin", "load_from_repository", "load_host_stage", "host_id_check"]
 
@@ -129,7 +129,8 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                      allow_nonfinite: bool = False, card_timeout_multiple: float = 10.0,
                      card_timeout_floor_s: float = 0.5, table_memory: int | float | None = None,
                      cache_policy: str = "tinylfu", host_chunk_rows: int = 0,
-                     warm_from: str | Path | None = None) -> ServedModel:
+                     warm_from: str | Path | None = None,
+                     card_scheduling: str = DEFAULT_CARD_SCHEDULING) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
 
     ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
@@ -137,6 +138,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     ``warm_from``: a loadgen recording whose queries fill the row cache before anything else loads
     (``server.warm``; a model without tiered tables says it has nothing to warm).
     ``host_chunk_rows``: pipeline large batches' host and card stages in chunks (see ``PlanRuntime``).
+    ``card_scheduling``: how batches get cards, "fifo" or "greedy" (see ``PlanRuntime``).
     """
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
@@ -165,7 +167,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                           min_split_rows=min_split_rows, card_timeout_multiple=card_timeout_multiple,
                           card_timeout_floor_s=card_timeout_floor_s,
                           host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0,
-                          host_chunk_rows=host_chunk_rows)
+                          host_chunk_rows=host_chunk_rows, card_scheduling=card_scheduling)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
@@ -199,7 +201,8 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
                  card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu",
-                 host_chunk_rows: int = 0, warm_from: str | Path | None = None) -> ServedModel:
+                 host_chunk_rows: int = 0, warm_from: str | Path | None = None,
+                 card_scheduling: str = DEFAULT_CARD_SCHEDULING) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -213,7 +216,8 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                             min_split_rows=min_split_rows, host_dense_max_rows=host_dense_max_rows,
                             allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
                             card_timeout_floor_s=card_timeout_floor_s, table_memory=table_memory,
-                            cache_policy=cache_policy, host_chunk_rows=host_chunk_rows, warm_from=warm_from)
+                            cache_policy=cache_policy, host_chunk_rows=host_chunk_rows, warm_from=warm_from,
+                            card_scheduling=card_scheduling)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
@@ -222,7 +226,8 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
                          min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS, allow_nonfinite: bool = False,
                          card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                          table_memory: int | float | None = None, cache_policy: str = "tinylfu",
-                         host_chunk_rows: int = 0, warm_from: str | Path | None = None) -> ServedModel:
+                         host_chunk_rows: int = 0, warm_from: str | Path | None = None,
+                         card_scheduling: str = DEFAULT_CARD_SCHEDULING) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
@@ -249,7 +254,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         card_timeout_floor_s=extras["card_timeout_floor_ms"] / 1e3 if "card_timeout_floor_ms" in extras
         else card_timeout_floor_s, table_memory=extras.get("table_memory", table_memory),
         cache_policy=extras.get("table_cache_policy", cache_policy), host_chunk_rows=host_chunk_rows,
-        warm_from=warm_from)
+        warm_from=warm_from, card_scheduling=extras.get("card_scheduling", card_scheduling))
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     from .deltas import attach
     try:

@@ -106,6 +106,7 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.table_precision": _choice("fp32", "fp16", "int8", "int4"),
     "sixfold.max_card_batch_rows": _int(1),
     "sixfold.min_split_rows": _int(0),
+    "sixfold.card_scheduling": _choice("fifo", "greedy"),  # how batches get cards (PlanRuntime.card_scheduling)
     "sixfold.max_inflight_batches": _int(0),
     "sixfold.host_dense_max_rows": _int(-1),
     "sixfold.allow_nonfinite": _bool,

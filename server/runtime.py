@@ -36,12 +36,13 @@ from backends.api import Arrays, Executable
 from models import DENSE, INDICES, LENGTHS
 
 from .batcher import BatchInfo
+from .card_gate import CardGate
 from .card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
                           expected_card_seconds, one_item)
 from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
-__all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
+__all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "CARD_SCHEDULING", "DEFAULT_CARD_SCHEDULING", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ CardFault = Callable[[int, str], None]
 """Told (card index, kind) of every card fault: "late" (hedge point passed), "hang", "error"."""
 DEFAULT_MIN_SPLIT_ROWS = 64
 """A batch of at least twice this many rows is split over idle cards (``PlanRuntime``)."""
+CARD_SCHEDULING = ("fifo", "greedy")
+"""How batches get cards (``PlanRuntime``'s ``card_scheduling``)."""
+DEFAULT_CARD_SCHEDULING = "fifo"
 T = TypeVar("T")
 
 
@@ -396,6 +400,7 @@ class PlanRuntime:
                  host_dense: Executable | None = None, host_dense_max_rows: int = -1,
                  host_dense_auto_limit: int = 256, host_dense_explore_every: int = 20,
                  max_inline_s: float = 1e-3, host_chunk_rows: int = 0,
+                 card_scheduling: str = DEFAULT_CARD_SCHEDULING,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.host = host
         self._host_runner = StageRunner(host, max_inline_s)
@@ -431,6 +436,10 @@ class PlanRuntime:
         if host_chunk_rows < 0:
             raise ValueError(f"host_chunk_rows must be >= 0 (0: whole batches), got {host_chunk_rows}")
         self.host_chunk_rows = host_chunk_rows
+        if card_scheduling not in CARD_SCHEDULING:
+            raise ValueError(f"card_scheduling must be one of {', '.join(CARD_SCHEDULING)}, got {card_scheduling!r}")
+        self.card_scheduling = card_scheduling
+        self.card_gate = CardGate(lambda: len(self.router.healthy), clock) if card_scheduling == "fifo" else None
         self._clock = clock
         self._restarts: set[asyncio.Task] = set()
         self._host_active = 0  # batches in the host stage now
@@ -510,15 +519,13 @@ class PlanRuntime:
             index = -1  # the host
         else:
             t_card = self._clock()
-            parts = self.parts(rows)
-            if parts == 1:
-                index, outputs = await self._card_stage(card_inputs, rows)
-            else:
-                index, outputs = await self._split_across_cards(card_inputs, rows, parts)
+            index, outputs = await self._chunk_card_stage(card_inputs, rows, stage)
             if tuner is not None and index >= 0:  # split or not: what the cards' path gave this batch
                 tuner.record(rows, self._clock() - t_card, on_host=False)
         t2 = self._clock()
         info.timings.update(host_s=t1 - t0, host_wait_s=stage.get("wait_s", 0.0), card_s=t2 - t1, card=float(index))
+        if "card_wait_s" in stage:
+            info.timings["card_wait_s"] = stage["card_wait_s"]
         if index < 0:
             info.timings["dense_on_host"] = 1.0
         return outputs
@@ -547,6 +554,7 @@ class PlanRuntime:
         """The batch in host-stage chunks, each chunk's card stage started as soon as its host stage is done."""
         t0 = self._clock()
         host_s = 0.0
+        stage: dict[str, float] = {}
         cards: list[asyncio.Future] = []
         self._host_active += 1
         try:
@@ -562,7 +570,7 @@ class PlanRuntime:
                 except Exception as exc:
                     raise InternalError(f"host stage failed: {exc}") from exc
                 host_s += self._clock() - h0
-                cards.append(asyncio.ensure_future(self._chunk_card_stage({**part, **host_out}, b - a)))
+                cards.append(asyncio.ensure_future(self._chunk_card_stage({**part, **host_out}, b - a, stage)))
         except BaseException:
             for task in cards:
                 task.cancel()
@@ -576,17 +584,47 @@ class PlanRuntime:
         outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         index = results[-1][0]
         info.timings.update(host_s=host_s, card_s=self._clock() - t0 - host_s, card=float(index),
-                            host_chunks=float(len(chunks)))
+                            host_chunks=float(len(chunks)), **stage)
         if index < 0:
             info.timings["dense_on_host"] = 1.0
         return outputs
 
-    async def _chunk_card_stage(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
-        """One chunk's dense part: split over idle cards as a whole batch would be."""
-        parts = self.parts(rows)
-        if parts == 1:
-            return await self._card_stage(card_inputs, rows)
-        return await self._split_across_cards(card_inputs, rows, parts)
+    async def _chunk_card_stage(self, card_inputs: Arrays, rows: int,
+                                timings: dict[str, float] | None = None) -> tuple[int, Arrays]:
+        """A batch's (or a chunk's) dense part on the cards, split as ``card_scheduling`` says.
+
+        With the card gate, the time spent waiting for cards adds to ``timings["card_wait_s"]``.
+        """
+        gate = self.card_gate
+        if gate is None:
+            parts = self.parts(rows)
+            if parts == 1:
+                return await self._card_stage(card_inputs, rows)
+            return await self._split_across_cards(card_inputs, rows, parts)
+        w0 = self._clock()
+        grant = await gate.acquire(self._parts(rows, len(self.router.healthy)),
+                                   lambda parts: self._split_seconds(card_inputs, rows, parts))
+        if timings is not None:
+            timings["card_wait_s"] = timings.get("card_wait_s", 0.0) + self._clock() - w0
+        try:
+            parts = max(grant.slots, self._parts(rows, 0))
+            if parts == 1:
+                return await self._card_stage(card_inputs, rows)
+            return await self._split_across_cards(card_inputs, rows, parts)
+        finally:
+            gate.release(grant)
+
+    def _split_seconds(self, card_inputs: Arrays, rows: int, parts: int) -> float:
+        """Expected seconds of a batch split in ``parts``: its largest part's, on a card at the cards' mean pace."""
+        healthy = self.router.healthy
+        if not healthy:
+            return 0.0
+        card = self.cards[healthy[0]]
+        part = -(-rows // max(1, parts))
+        # NOTE: views of the first part's rows: the cost model reads shapes and byte counts only
+        inputs = {n: card_inputs[n][:card_inputs[n].shape[0] // rows * part] for n in card.input_names}
+        pace = sum(self.pace(i) for i in healthy) / len(healthy)
+        return expected_card_seconds(card, part, inputs) * pace
 
     async def _host_dense_stage(self, card_inputs: Arrays, rows: int) -> Arrays | None:
         """The dense part on the host CPU; None (the caller uses a card) if it fails."""
@@ -602,14 +640,17 @@ class PlanRuntime:
         return outputs
 
     def parts(self, rows: int) -> int:
-        """Into how many sub-batches a batch of ``rows`` rows goes now (see the class docstring)."""
+        """Into how many sub-batches a batch of ``rows`` rows goes now, without the card gate (see the class docstring)."""
+        return self._parts(rows, sum(1 for load in self.router.loads if load.healthy and not load.outstanding_rows))
+
+    def _parts(self, rows: int, free: int) -> int:
+        """Sub-batches for a batch of ``rows`` rows when ``free`` cards are its to use."""
         need = 1 if self.max_card_rows is None else -(-rows // self.max_card_rows)
         if self._can_fall_back and not any(load.healthy for load in self.router.loads):
             return 1  # every card is out: the whole batch goes to the host at once
         if not self.min_split_rows or rows < 2 * self.min_split_rows:
             return need
-        idle = sum(1 for load in self.router.loads if load.healthy and not load.outstanding_rows)
-        return max(need, min(idle, rows // self.min_split_rows))
+        return max(need, min(free, rows // self.min_split_rows))
 
     async def _split_across_cards(self, card_inputs: Arrays, rows: int, parts: int) -> tuple[int, Arrays]:
         """Sub-batches of (nearly) equal size run on several cards at once, then rejoin in order.
@@ -804,6 +845,8 @@ class PlanRuntime:
         if not self.router.loads[index].healthy:
             return
         self.router.mark_down(index)
+        if self.card_gate is not None:
+            self.card_gate.changed()
         self._strikes[index] += 1
         restarting = self.reload_card is not None
         self.card_state[index] = f"{why.removeprefix(f'card{index} ')}{', restarting' if restarting else ''}"
@@ -838,6 +881,8 @@ class PlanRuntime:
             log.warning("card%d failed its probe after a restart: %s", index, why)
         self.card_state[index] = "healthy"
         self.router.mark_up(index)
+        if self.card_gate is not None:
+            self.card_gate.changed()
         log.warning("card%d restarted and back in rotation", index)
 
     async def _probe_card(self, index: int) -> str | None:

@@ -32,7 +32,7 @@ __all__ = ["main", "SERVE_FLAGS"]
 
 SERVE_FLAGS = ("max_batch_rows", "no_wait_rows", "max_queue_delay_us", "max_queue_size", "default_timeout_us", "max_queue_work_ms",
                "max_queue_bytes_mb", "preferred_batch_rows", "max_inflight_batches", "priority_levels",
-               "default_priority_level", "max_card_batch_rows", "min_split_rows", "host_dense_max_rows",
+               "default_priority_level", "max_card_batch_rows", "min_split_rows", "card_scheduling", "host_dense_max_rows",
                "card_timeout_multiple", "card_timeout_floor_ms", "no_all_in_dispatch")
 """sixfold-serve's scheduling flags, taken from its own parser (names, defaults and help)."""
 
@@ -48,7 +48,7 @@ def _add_serve_flags(group: argparse._ArgumentGroup) -> None:
             elif isinstance(action, argparse._StoreTrueAction):
                 kwargs.update(action="store_true")
             else:
-                kwargs.update(type=action.type, metavar=action.metavar)
+                kwargs.update(type=action.type, metavar=action.metavar, choices=action.choices)
             group.add_argument(*action.option_strings, **kwargs)
 
 
@@ -71,7 +71,8 @@ def serving_settings(args: argparse.Namespace) -> ServingSettings:
     except ValueError as exc:
         raise ValueError(f"scheduling flags: {exc}") from None
     return ServingSettings(batching=batching, max_card_rows=args.max_card_batch_rows or None,
-                           min_split_rows=args.min_split_rows, host_dense_max_rows=args.host_dense_max_rows,
+                           min_split_rows=args.min_split_rows, card_scheduling=args.card_scheduling,
+                           host_dense_max_rows=args.host_dense_max_rows,
                            card_timeout_multiple=args.card_timeout_multiple,
                            card_timeout_floor_s=args.card_timeout_floor_ms / 1e3)
 

@@ -34,7 +34,7 @@ from models.signature import DENSE, INDICES
 from server.admission import PlanCost
 from server.batcher import (DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US, BatchingConfig, DynamicBatcher)
 from server.errors import ServingError
-from server.runtime import DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
+from server.runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
 
 from .devices import POOLED, Server, VirtualLane, VirtualStage, empty_rows
 from .platform import Platform
@@ -59,6 +59,8 @@ class ServingSettings:
     max_card_rows: int | None = 256
     """``--max-card-batch-rows`` (None: never split for size)."""
     min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS
+    card_scheduling: str = DEFAULT_CARD_SCHEDULING
+    """``--card-scheduling``: "fifo" or "greedy"."""
     host_dense_max_rows: int = -1
     card_timeout_multiple: float = 10.0
     card_timeout_floor_s: float = 0.5
@@ -187,7 +189,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
             for server in lane.servers:
                 server.window = (warmup_s, window_end)
         runtime = PlanRuntime(host, lanes, reload_card=None, max_card_rows=settings.max_card_rows,
-                              min_split_rows=settings.min_split_rows,
+                              min_split_rows=settings.min_split_rows, card_scheduling=settings.card_scheduling,
                               card_timeout_multiple=settings.card_timeout_multiple,
                               card_timeout_floor_s=settings.card_timeout_floor_s, host_dense=host_dense,
                               host_dense_max_rows=settings.host_dense_max_rows if host_dense else 0,

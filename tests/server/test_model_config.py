@@ -35,6 +35,7 @@ parameters { key: "sixfold.cards" value { string_value: "6" } }
 parameters { key: "sixfold.backend" value { string_value: "simcard" } }
 parameters { key: "sixfold.host_dense_max_rows" value { string_value: "-1" } }
 parameters { key: "sixfold.min_split_rows" value { string_value: "32" } }
+parameters { key: "sixfold.card_scheduling" value { string_value: "fifo" } }
 parameters { key: "sixfold.allow_nonfinite" value { string_value: "True" } }
 parameters { key: "team" value { string_value: "ranking" } }
 """
@@ -57,7 +58,7 @@ def test_a_full_triton_config_reads_into_batching_and_typed_extras(tmp_path: Pat
     assert b.policy(1) == QueuePolicy(8, 2000, "REJECT", False)  # written policy: proto3 defaults elsewhere
     assert b.policy(3) == b.default_policy
     assert settings.extras == {"cards": 6, "backend": "simcard", "host_dense_max_rows": -1, "min_split_rows": 32,
-                               "allow_nonfinite": True}
+                               "card_scheduling": "fifo", "allow_nonfinite": True}
     assert settings.parameters["team"] == "ranking"
     assert [t.name for t in settings.proto.input] == ["dense_features"]
 
@@ -100,6 +101,7 @@ def test_the_reverse_round_trips_through_the_real_message() -> None:
     ('parameters { key: "sixfold.host_dense_max_rows" value { string_value: "-2" } }', "sixfold.host_dense_max_rows"),
     ('parameters { key: "sixfold.min_split_rows" value { string_value: "-1" } }', "sixfold.min_split_rows"),
     ('parameters { key: "sixfold.allow_nonfinite" value { string_value: "yes" } }', "sixfold.allow_nonfinite"),
+    ('parameters { key: "sixfold.card_scheduling" value { string_value: "random" } }', "sixfold.card_scheduling"),
 ])
 def test_a_bad_or_unsupported_field_is_refused_naming_it_and_the_file(tmp_path: Path, text: str, named: str) -> None:
     path = _write(tmp_path, text)

@@ -86,7 +86,7 @@ async def test_without_idle_splitting_a_batch_a_card_can_take_stays_whole(rm1) -
 
 
 def test_busy_cards_are_not_split_onto_and_small_batches_stay_whole(rm1) -> None:
-    runtime = _runtime(rm1, 6, max_card_rows=100, min_split_rows=10)
+    runtime = _runtime(rm1, 6, max_card_rows=100, min_split_rows=10, card_scheduling="greedy")
     assert runtime.parts(19) == 1  # under 2 x min_split_rows
     assert runtime.parts(20) == 2
     assert runtime.parts(1000) == 10  # over max_card_rows: as many parts as it takes, idle or not
@@ -140,7 +140,7 @@ async def test_the_card_stage_of_a_chunk_overlaps_the_host_stage_of_the_next(rm1
         events.append(f"host{k}")
         return await real_host(inputs, rows)
 
-    async def card(card_inputs, rows):
+    async def card(card_inputs, rows, timings=None):
         events.append(f"card{sum(e.startswith('card') for e in events)}")
         card_started.set()
         await asyncio.sleep(0)
@@ -152,3 +152,21 @@ async def test_the_card_stage_of_a_chunk_overlaps_the_host_stage_of_the_next(rm1
     assert out["scores"].shape == (20, 1)
     assert events == ["host0", "card0", "host1", "card1"]
     runtime.close()
+
+
+async def test_fifo_cards_split_every_batch_over_all_the_cards_even_when_batches_overlap(rm1) -> None:
+    """Two batches at once: each waits its turn for the 4 cards and runs on all of them, not on what is idle."""
+    import asyncio
+
+    runtime = _runtime(rm1, 4, max_card_rows=256, min_split_rows=16, card_scheduling="fifo")
+    batches = [_batch(64, seed=11), _batch(64, seed=12)]
+    infos = [BatchInfo(rows=64), BatchInfo(rows=64)]
+    outs = await asyncio.gather(*(runtime.run(b, i) for b, i in zip(batches, infos)))
+    for batch, out in zip(batches, outs):
+        np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
+    assert _rows_per_card(runtime) == [32, 32, 32, 32]  # 4 parts of 16 from each
+    assert all("card_wait_s" in info.timings for info in infos)
+    assert runtime.card_gate is not None and runtime.card_gate.held == 0
+    runtime.close()
+    with pytest.raises(ValueError, match="card_scheduling must be one of fifo, greedy"):
+        _runtime(rm1, 1, card_scheduling="random")

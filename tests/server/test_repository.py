@@ -261,6 +261,21 @@ def test_a_config_may_let_a_model_score_non_finite_features(tmp_path, source):
         client.close()
 
 
+def test_a_config_may_choose_its_card_scheduling(tmp_path, source):
+    """sixfold.card_scheduling in config.pbtxt reaches that model's runtime; the other keeps the default (fifo)."""
+    repo = _repo(tmp_path, source, {"greedy": [0], "default": [0]})
+    (repo / "greedy" / "config.pbtxt").write_text(
+        'parameters { key: "sixfold.card_scheduling" value { string_value: "greedy" } }\n')
+    with _Server(repo, explicit=False) as server:
+        assert server.core.model("greedy").runtime.card_gate is None
+        assert server.core.model("default").runtime.card_scheduling == "fifo"
+        client = grpcclient.InferenceServerClient(server.background.url)
+        for name in ("greedy", "default"):
+            scores, _ = _infer(client, name, _request(3))
+            assert scores.shape == (3, 1)
+        client.close()
+
+
 def test_a_loaded_model_is_frozen_out_of_full_collections_and_collected_once_unloaded(tmp_path, source):
     # server.gc_pause: what a loaded server holds is moved out of the collector's walks (a full
     # collection of a process with a model loaded took ~95 ms, a stall of every thread); an

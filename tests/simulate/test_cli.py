@@ -111,3 +111,18 @@ def test_no_wait_rows_is_sixfold_serves_too(tmp_path) -> None:
     assert main([*args, "--no-wait-rows", "0", "--no-all-in-dispatch"]) == 0
     waited = json.loads(out.read_text())["results"][0]["runs"][0]["latency_ms"]["p50"]
     assert waited - at_once == pytest.approx(2.0, abs=0.05)  # a 300-item query waits out the 2 ms window
+
+
+def test_card_scheduling_is_sixfold_serves_and_reaches_the_settings() -> None:
+    from server.cli import _parser as serve_parser
+    from simulate.cli import _parser, serving_settings
+    serve = next(a for a in serve_parser()._actions if a.dest == "card_scheduling")
+    assert serving_settings(_parser().parse_args(["run", "--model", "rm1", "--qps", "1"])).card_scheduling == serve.default
+    args = _parser().parse_args(["run", "--model", "rm1", "--qps", "1", "--card-scheduling", "fifo"])
+    assert serving_settings(args).card_scheduling == "fifo"
+
+
+def test_an_unknown_card_scheduling_is_refused_naming_the_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--model", "rm1", "--qps", "1", "--card-scheduling", "random"])
+    assert exited.value.code == 2 and "--card-scheduling: invalid choice: 'random'" in capsys.readouterr().err

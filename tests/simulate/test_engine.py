@@ -76,7 +76,7 @@ def test_changing_the_servers_code_changes_the_simulation(monkeypatch: pytest.Mo
     one = arrivals([0.0], [700])
     before = simulate(platform, one, settings=ServingSettings(batching=BatchingConfig(max_queue_work_ms=0.0),
                                                                host_dense_max_rows=0))
-    monkeypatch.setattr(server.runtime.PlanRuntime, "parts", lambda self, rows: 1)
+    monkeypatch.setattr(server.runtime.PlanRuntime, "_parts", lambda self, rows, free: 1)
     after = simulate(platform, one, settings=ServingSettings(batching=BatchingConfig(max_queue_work_ms=0.0),
                                                               host_dense_max_rows=0))
     assert before.card_batches == 4 and after.card_batches == 1
