@@ -35,6 +35,7 @@ class Grant:
     """Cards held by one batch, and when its parts are expected to be done."""
 
     slots: int
+    """Cards still held: a batch gives each back as its part finishes."""
     expected_end: float
 
 
@@ -118,8 +119,11 @@ class CardGate:
                 self._grant()  # it may have held up requests behind it
             raise
 
-    def release(self, grant: Grant) -> None:
-        self._grants.discard(grant)
+    def release(self, grant: Grant, slots: int | None = None) -> None:
+        """Give back ``slots`` of the grant's cards (None: all it still holds), e.g. as each part finishes."""
+        grant.slots -= grant.slots if slots is None else min(slots, grant.slots)
+        if not grant.slots:
+            self._grants.discard(grant)
         self._grant()
 
     def changed(self) -> None:

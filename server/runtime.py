@@ -610,7 +610,8 @@ class PlanRuntime:
             parts = max(grant.slots, self._parts(rows, 0))
             if parts == 1:
                 return await self._card_stage(card_inputs, rows)
-            return await self._split_across_cards(card_inputs, rows, parts)
+            # each part gives its card back as it finishes: the next batch in line may start there
+            return await self._split_across_cards(card_inputs, rows, parts, lambda: gate.release(grant, 1))
         finally:
             gate.release(grant)
 
@@ -652,8 +653,11 @@ class PlanRuntime:
             return need
         return max(need, min(free, rows // self.min_split_rows))
 
-    async def _split_across_cards(self, card_inputs: Arrays, rows: int, parts: int) -> tuple[int, Arrays]:
+    async def _split_across_cards(self, card_inputs: Arrays, rows: int, parts: int,
+                                  part_done: Callable[[], None] | None = None) -> tuple[int, Arrays]:
         """Sub-batches of (nearly) equal size run on several cards at once, then rejoin in order.
+
+        ``part_done()`` is called as each part finishes (answered or failed).
 
         Each card input splits in proportion to its rows per item (1 for dense
         features, T for pooled embeddings laid out [N * T, D]); outputs concatenate.
@@ -671,7 +675,14 @@ class PlanRuntime:
         ends = np.cumsum([base + 1] * extra + [base] * (parts - extra)).tolist()
         bounds = list(zip([0, *ends[:-1]], ends))
         pieces = [{n: card_inputs[n][a * per_item[n]:b * per_item[n]] for n in names} for a, b in bounds]
-        results = await asyncio.gather(*(self._card_stage(piece, b - a) for piece, (a, b) in zip(pieces, bounds)))
+        async def part(piece: Arrays, count: int) -> tuple[int, Arrays]:
+            try:
+                return await self._card_stage(piece, count)
+            finally:
+                if part_done is not None:
+                    part_done()
+
+        results = await asyncio.gather(*(part(piece, b - a) for piece, (a, b) in zip(pieces, bounds)))
         outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         return results[0][0], outputs
 

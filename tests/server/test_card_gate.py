@@ -172,3 +172,21 @@ async def test_a_batch_without_an_estimate_waits_for_every_card_it_wants() -> No
     gate.release(held)
     await asyncio.wait_for(task, 1.0)
     assert line.got == [("unpriced", 6)]
+
+
+async def test_a_batch_gives_back_each_card_as_its_part_finishes() -> None:
+    """6 cards held by one batch; a 1-card batch waits, and starts when the first part is done, not the last."""
+    gate = CardGate(Cards(6), Clock())
+    whole = await gate.acquire(6, lambda parts: 0.012 / parts)
+    line = Line(gate)
+    task = line.join("small", 1, lambda parts: 0.001)
+    await _settle()
+    assert line.got == []
+    gate.release(whole, 1)  # one part done
+    await asyncio.wait_for(task, 1.0)
+    assert line.got == [("small", 1)] and gate.held == 6 and whole.slots == 5
+    gate.release(whole)  # the rest
+    gate.release(line.grants["small"])
+    assert gate.held == 0
+    gate.release(whole, 1)  # nothing left to give back: a no-op
+    assert gate.held == 0 and whole.slots == 0
