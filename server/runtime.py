@@ -42,7 +42,8 @@ from .card_health import (CardDeadlines, CardError, CardHang, HostFallbackError,
 from .errors import InternalError, ServingError, Unavailable
 from .router import LeastLoadedRouter, NoHealthyCard
 
-__all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "CARD_SCHEDULING", "DEFAULT_CARD_SCHEDULING", "HostDenseTuner", "StageRunner", "single_threaded_ops_here"]
+__all__ = ["PlanRuntime", "DEFAULT_MIN_SPLIT_ROWS", "CARD_SCHEDULING", "DEFAULT_CARD_SCHEDULING", "HostDenseTuner",
+           "StageRunner", "single_threaded_ops_here"]
 
 log = logging.getLogger(__name__)
 
@@ -385,10 +386,13 @@ class PlanRuntime:
     latency is its host stage plus the last chunk's card stage rather than the whole batch's.
 
     A batch of more than ``max_card_rows`` rows is split across cards. So is a batch of at
-    least 2 x ``min_split_rows`` rows when cards are idle: into as many equal parts as there
-    are idle cards, each of at least ``min_split_rows`` rows (0: split only what a card cannot
-    take). An idle card's time is otherwise lost to the batch's latency; a busy server has few
-    idle cards, so under load batches stay whole.
+    least 2 x ``min_split_rows`` rows: into equal parts of at least ``min_split_rows`` rows
+    (0: split only what a card cannot take), as many as there are cards for it.
+    ``card_scheduling`` says which cards those are. "fifo": a ``CardGate`` hands the cards to
+    batches in arrival order, each batch split over as many as it can use, waiting for them
+    while earlier batches hold them; each part gives its card back as it finishes. "greedy":
+    the cards idle when the batch arrives, without waiting; with none idle the batch stays
+    whole (see the gate's docstring for why that loses to FIFO once batches overlap).
     """
 
     def __init__(self, host: Executable, cards: Sequence[Executable], *, reload_card: ReloadCard | None = None,
@@ -519,7 +523,7 @@ class PlanRuntime:
             index = -1  # the host
         else:
             t_card = self._clock()
-            index, outputs = await self._chunk_card_stage(card_inputs, rows, stage)
+            index, outputs = await self._dense_on_cards(card_inputs, rows, stage)
             if tuner is not None and index >= 0:  # split or not: what the cards' path gave this batch
                 tuner.record(rows, self._clock() - t_card, on_host=False)
         t2 = self._clock()
@@ -570,7 +574,7 @@ class PlanRuntime:
                 except Exception as exc:
                     raise InternalError(f"host stage failed: {exc}") from exc
                 host_s += self._clock() - h0
-                cards.append(asyncio.ensure_future(self._chunk_card_stage({**part, **host_out}, b - a, stage)))
+                cards.append(asyncio.ensure_future(self._dense_on_cards({**part, **host_out}, b - a, stage)))
         except BaseException:
             for task in cards:
                 task.cancel()
@@ -589,7 +593,7 @@ class PlanRuntime:
             info.timings["dense_on_host"] = 1.0
         return outputs
 
-    async def _chunk_card_stage(self, card_inputs: Arrays, rows: int,
+    async def _dense_on_cards(self, card_inputs: Arrays, rows: int,
                                 timings: dict[str, float] | None = None) -> tuple[int, Arrays]:
         """A batch's (or a chunk's) dense part on the cards, split as ``card_scheduling`` says.
 

@@ -147,7 +147,7 @@ async def test_the_card_stage_of_a_chunk_overlaps_the_host_stage_of_the_next(rm1
         return 0, {"scores": np.zeros((rows, 1), dtype=np.float32)}
 
     runtime._host_runner.infer = host
-    runtime._chunk_card_stage = card
+    runtime._dense_on_cards = card
     out = await runtime.run(_batch(20, seed=10), BatchInfo(rows=20))
     assert out["scores"].shape == (20, 1)
     assert events == ["host0", "card0", "host1", "card1"]
