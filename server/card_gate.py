@@ -24,7 +24,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["CardGate", "Grant"]
+__all__ = ["CardGate", "Grant", "CARD_SCHEDULING"]
+
+CARD_SCHEDULING = ("fifo", "greedy")
+"""The runtime's policies (``PlanRuntime``'s ``card_scheduling``): "fifo" is this gate, "greedy" the idle cards."""
 
 PartSeconds = Callable[[int], float]
 """Expected seconds of a batch split over ``n`` cards (its largest part's), by the cost model."""
@@ -91,11 +94,6 @@ class CardGate:
             return free, now
         return None, at
 
-    def _hold(self, slots: int, seconds: PartSeconds | None) -> Grant:
-        grant = Grant(slots, self._clock() + (seconds(slots) if seconds is not None else 0.0))
-        self._grants.add(grant)
-        return grant
-
     async def acquire(self, slots: int, seconds: PartSeconds | None = None) -> Grant:
         """Wait for ``slots`` cards (at most the cards in rotation), in line behind every earlier request.
 
@@ -131,7 +129,10 @@ class CardGate:
         self._grant()
 
     def _give(self, request: _Request, slots: int) -> None:
-        request.future.set_result(self._hold(slots, request.seconds))
+        seconds = request.seconds
+        grant = Grant(slots, self._clock() + (seconds(slots) if seconds is not None else 0.0))
+        self._grants.add(grant)
+        request.future.set_result(grant)
 
     def _grant(self) -> None:
         capacity = self._capacity()

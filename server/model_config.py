@@ -38,6 +38,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from .batcher import BatchingConfig, QueuePolicy
+from .card_gate import CARD_SCHEDULING
 
 __all__ = ["ModelSettings", "SIXFOLD_PARAMETERS", "load_model_config", "parse_model_config", "settings_from_proto",
            "to_model_config", "batching_from_proto"]
@@ -106,7 +107,7 @@ SIXFOLD_PARAMETERS: dict[str, Callable[[str], Any]] = {
     "sixfold.table_precision": _choice("fp32", "fp16", "int8", "int4"),
     "sixfold.max_card_batch_rows": _int(1),
     "sixfold.min_split_rows": _int(0),
-    "sixfold.card_scheduling": _choice("fifo", "greedy"),  # how batches get cards (PlanRuntime.card_scheduling)
+    "sixfold.card_scheduling": _choice(*CARD_SCHEDULING),  # how batches get cards (PlanRuntime.card_scheduling)
     "sixfold.max_inflight_batches": _int(0),
     "sixfold.host_dense_max_rows": _int(-1),
     "sixfold.allow_nonfinite": _bool,

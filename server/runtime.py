@@ -36,7 +36,7 @@ from backends.api import Arrays, Executable
 from models import DENSE, INDICES, LENGTHS
 
 from .batcher import BatchInfo
-from .card_gate import CardGate
+from .card_gate import CARD_SCHEDULING, CardGate
 from .card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
                           expected_card_seconds, one_item)
 from .errors import InternalError, ServingError, Unavailable
@@ -51,10 +51,9 @@ ReloadCard = Callable[[int], Executable]
 CardFault = Callable[[int, str], None]
 """Told (card index, kind) of every card fault: "late" (hedge point passed), "hang", "error"."""
 DEFAULT_MIN_SPLIT_ROWS = 64
-"""A batch of at least twice this many rows is split over idle cards (``PlanRuntime``)."""
-CARD_SCHEDULING = ("fifo", "greedy")
-"""How batches get cards (``PlanRuntime``'s ``card_scheduling``)."""
+"""A batch of at least twice this many rows is split over cards (``PlanRuntime``)."""
 DEFAULT_CARD_SCHEDULING = "fifo"
+"""``--card-scheduling``'s default (see ``server.card_gate``)."""
 T = TypeVar("T")
 
 
@@ -601,21 +600,16 @@ class PlanRuntime:
         """
         gate = self.card_gate
         if gate is None:
-            parts = self.parts(rows)
-            if parts == 1:
-                return await self._card_stage(card_inputs, rows)
-            return await self._split_across_cards(card_inputs, rows, parts)
+            return await self._split_across_cards(card_inputs, rows, self.parts(rows))
         w0 = self._clock()
         grant = await gate.acquire(self._parts(rows, len(self.router.healthy)),
                                    lambda parts: self._split_seconds(card_inputs, rows, parts))
         if timings is not None:
             timings["card_wait_s"] = timings.get("card_wait_s", 0.0) + self._clock() - w0
         try:
-            parts = max(grant.slots, self._parts(rows, 0))
-            if parts == 1:
-                return await self._card_stage(card_inputs, rows)
             # each part gives its card back as it finishes: the next batch in line may start there
-            return await self._split_across_cards(card_inputs, rows, parts, lambda: gate.release(grant, 1))
+            return await self._split_across_cards(card_inputs, rows, max(grant.slots, self._parts(rows, 0)),
+                                                  lambda: gate.release(grant, 1))
         finally:
             gate.release(grant)
 
@@ -659,7 +653,7 @@ class PlanRuntime:
 
     async def _split_across_cards(self, card_inputs: Arrays, rows: int, parts: int,
                                   part_done: Callable[[], None] | None = None) -> tuple[int, Arrays]:
-        """Sub-batches of (nearly) equal size run on several cards at once, then rejoin in order.
+        """Sub-batches of (nearly) equal size run on several cards at once, then rejoin in order (one part: the batch).
 
         ``part_done()`` is called as each part finishes (answered or failed).
 
@@ -667,6 +661,15 @@ class PlanRuntime:
         features, T for pooled embeddings laid out [N * T, D]); outputs concatenate.
         Equal parts, not full ones and a remainder: the batch is done when its largest part is.
         """
+        async def part(piece: Arrays, count: int) -> tuple[int, Arrays]:
+            try:
+                return await self._card_stage(piece, count)
+            finally:
+                if part_done is not None:
+                    part_done()
+
+        if parts == 1:
+            return await part(card_inputs, rows)
         names = self.cards[0].input_names
         per_item = {}
         for name in names:
@@ -679,13 +682,6 @@ class PlanRuntime:
         ends = np.cumsum([base + 1] * extra + [base] * (parts - extra)).tolist()
         bounds = list(zip([0, *ends[:-1]], ends))
         pieces = [{n: card_inputs[n][a * per_item[n]:b * per_item[n]] for n in names} for a, b in bounds]
-        async def part(piece: Arrays, count: int) -> tuple[int, Arrays]:
-            try:
-                return await self._card_stage(piece, count)
-            finally:
-                if part_done is not None:
-                    part_done()
-
         results = await asyncio.gather(*(part(piece, b - a) for piece, (a, b) in zip(pieces, bounds)))
         outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         return results[0][0], outputs

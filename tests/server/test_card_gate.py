@@ -190,3 +190,23 @@ async def test_a_batch_gives_back_each_card_as_its_part_finishes() -> None:
     assert gate.held == 0
     gate.release(whole, 1)  # nothing left to give back: a no-op
     assert gate.held == 0 and whole.slots == 0
+
+
+async def test_a_later_batch_runs_on_idle_cards_only_if_it_is_done_before_the_first_in_line_can_start() -> None:
+    """4 of 6 cards held until t+10 ms; a 6-card batch waits. Behind it: a 2-ms batch backfills, a 20-ms one does not."""
+    clock = Clock()
+    gate = CardGate(Cards(6), clock)
+    held = await gate.acquire(4, lambda parts: 0.010)
+    line = Line(gate)
+    tasks = [line.join("big", 6, linear(0.600)), line.join("long", 1, lambda parts: 0.020),
+             line.join("short", 1, lambda parts: 0.002)]
+    await _settle()
+    assert line.got == [("short", 1)] and gate.backfills == 1 and gate.waiting == 2
+    gate.release(line.grants["short"])
+    clock.now += 0.010
+    gate.release(held)
+    await _settle()
+    assert line.got == [("short", 1), ("big", 6)]  # the long one still waits its turn
+    gate.release(line.grants["big"])
+    await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+    assert line.got[-1] == ("long", 1)
