@@ -10,7 +10,7 @@ and prints p50/p99 of each stage, per request:
     queue      in the batcher's queue until its batch starts
     host       the batch's host (embedding) stage
     host_wait  the part of it spent waiting for the host stage's worker, busy with earlier batches
-    card       the batch's card stage (split over idle cards, or on the host for small batches)
+    card       the batch's card stage (split over cards, or on the host for small batches)
     card_wait  the part of it spent waiting for cards held by earlier batches (--card-scheduling fifo)
     finish     batch done -> the request's coroutine resumes (outputs split, futures resolved)
     encode     arrays -> protobuf

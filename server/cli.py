@@ -116,9 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--card-timeout-floor-ms", type=int, default=500,
                    help="shortest hang deadline of a card batch, milliseconds (default 500)")
     p.add_argument("--min-split-rows", type=int, default=DEFAULT_MIN_SPLIT_ROWS,
-                   help="a batch of at least twice this many items is also split over the cards that are idle, "
-                        f"in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; 0: only split "
-                        "batches over --max-card-batch-rows)")
+                   help="a batch of at least twice this many items is also split over cards (which: "
+                        f"--card-scheduling), in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; "
+                        "0: only split batches over --max-card-batch-rows)")
     p.add_argument("--card-scheduling", choices=CARD_SCHEDULING, default=DEFAULT_CARD_SCHEDULING,
                    help="fifo: batches get the cards in arrival order, each split over as many as it can use "
                         "(waiting for them); greedy: split over the cards idle when it arrives, else whole on "
@@ -264,7 +264,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                                         allow_nonfinite=args.allow_nonfinite, table_memory=args.table_memory,
                                         cache_policy=args.table_cache_policy,
                                         host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
-                card_scheduling=args.card_scheduling)
+                                        card_scheduling=args.card_scheduling)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit",
                                               warmup=not args.no_warmup)
