@@ -148,14 +148,14 @@ def test_loadgen_channels_reach_every_worker(two_workers, tmp_path):
     before = _served(proc)
     loadgen = Path(sys.executable).parent / "sixfold-loadgen"
     result = subprocess.run([str(loadgen), "--url", proc.url, "--model", "tiny", "--qps", "200", "--duration", "1",
-                             "--max-requests", "400", "--channels", "8", "--report", str(tmp_path / "report.json")],
+                             "--max-requests", "400", "--channels", str(CHANNELS), "--report", str(tmp_path / "report.json")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["requests"]["errors"] == 0 and report["requests"]["ok"] == report["requests"]["sent"] > 0
     gained = {i: n - before.get(i, 0.0) for i, n in _served(proc).items()}
     assert sorted(gained) == ["0", "1"]
-    assert all(n > 0 for n in gained.values()), f"8 channels reached one worker only: {gained}"
+    assert all(n > 0 for n in gained.values()), f"{CHANNELS} channels reached one worker only: {gained}"
 
 
 def test_the_one_metrics_page_keeps_the_servers_bearer_token():
