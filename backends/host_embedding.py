@@ -58,6 +58,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import bag_order
 from .api import Arrays, Backend, BackendError, Executable, PartitionArtifact
 from .memory import check_fits
 from .options import reject_unknown
@@ -378,6 +379,8 @@ class HostEmbeddingStage:
         # Tables in group-major order: the bag permutation is (group, sample, table-in-group).
         self._order = torch.tensor([t for group in self.groups for t in group.tables], dtype=torch.int64)
         self._group_sizes = [len(group.tables) for group in self.groups]
+        if len(self.groups) == 1:
+            bag_order.available()  # NOTE: compile (or find) the helper at load, not on the first request
 
     # ---- introspection ---------------------------------------------------------------------------
 
@@ -515,17 +518,25 @@ class HostEmbeddingStage:
             limits = np.repeat(np.tile(self._table_rows_np, lengths.shape[0]), flat)
             if ((ids < 0) | (ids >= limits)).any():
                 self._check_ids(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(flat))  # names the bad id
-        rows = np.repeat(self._row_offsets_of_bags(flat.shape[0]), flat)  # int64, a new array
-        rows += ids  # NOTE: in place: one id-sized buffer per batch, not two
+        samples = lengths.shape[0]
+        # Two or more samples: the ids in table-major order, so the lookup reads one table at a time.
+        ordered = bag_order.table_major(ids, ends - flat, flat, samples, self._row_offset_np) if samples > 1 else None
+        if ordered is None:
+            rows = np.repeat(self._row_offsets_of_bags(flat.shape[0]), flat)  # int64, a new array
+            rows += ids  # NOTE: in place: one id-sized buffer per batch, not two
+            offsets = ends - flat
+        else:
+            rows, offsets = ordered
         group = self.groups[0]
         if group.precision == "fp32":
             # NOTE: the op itself, not F.embedding_bag's argument checks, and no inference_mode
             # context: no input needs grad, so neither changes the result, and each costs a few us.
-            pooled = torch.embedding_bag(group.weight, torch.from_numpy(rows), torch.from_numpy(ends - flat),
-                                         False, 0, False, None, False, None)[0]
-            return pooled.numpy()
-        with torch.inference_mode():
-            return self._bag(group, torch.from_numpy(rows), torch.from_numpy(ends - flat)).numpy()
+            pooled = torch.embedding_bag(group.weight, torch.from_numpy(rows), torch.from_numpy(offsets),
+                                         False, 0, False, None, False, None)[0].numpy()
+        else:
+            with torch.inference_mode():
+                pooled = self._bag(group, torch.from_numpy(rows), torch.from_numpy(offsets)).numpy()
+        return pooled if ordered is None else bag_order.sample_major(pooled, samples, self.num_tables)
 
     def _row_offsets_of_bags(self, bags: int) -> np.ndarray:
         """Each bag's table's first row in the fused weight, for ``bags`` bags (sample-major)."""

@@ -12,24 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import threading
-from pathlib import Path
 
 import numpy as np
 
+from .native import NativeHelper
+
 __all__ = ["gather", "native_available", "ReadError"]
-
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("_pread.c")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 class ReadError(OSError):
@@ -41,39 +30,19 @@ class ReadError(OSError):
         self.index = index
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SIXFOLD_CACHE_DIR") or Path.home() / ".cache" / "sixfold")
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.sixfold_gather
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
+
+
+HELPER = NativeHelper("_pread.c", _declare, opt_out=("SIXFOLD_PREAD", "python"),
+                      purpose="table reads fall back to a Python pread loop")
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("SIXFOLD_PREAD") == "python":
-            return None
-        source = _SOURCE.read_bytes()
-        target = _cache_dir() / f"sixfold_pread_{hashlib.sha1(source).hexdigest()[:12]}.so"
-        try:
-            if not target.exists():
-                compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-                if compiler is None:
-                    raise OSError("no C compiler (cc) on PATH")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-                subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(tmp, target)
-            lib = ctypes.CDLL(str(target))
-            fn = lib.sixfold_gather
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
-            _lib = lib
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("table reads fall back to a Python pread loop (C helper unavailable: %s)", exc)
-        return _lib
+    return HELPER.load()
 
 
 def native_available() -> bool:

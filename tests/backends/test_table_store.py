@@ -137,8 +137,8 @@ def test_read_error_fails_the_batch_and_the_store_recovers(tables: Path, monkeyp
 
 
 def test_python_fallback_reads_the_same_rows(tables: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pread, "_lib", None)
-    monkeypatch.setattr(pread, "_tried", True)
+    monkeypatch.setattr(pread.HELPER, "_lib", None)
+    monkeypatch.setattr(pread.HELPER, "_tried", True)
     resident = HostEmbeddingStage(tables)
     tiered = HostEmbeddingStage(tables, table_memory=40_000, item_ids=20)
     for lengths, ids in _requests(5, seed=5):
