@@ -6,6 +6,11 @@ for each sample, so a large batch's working set is all the tables' hot rows at o
 700-item rm2 query (2.69M ids over 32 tables of 50k rows) the lookup took 26 ms that way and
 12 ms with the same ids in table-major order, on this project's 2-core VM (bench/host_embedding.py).
 
+Worth it only for long bags: the pooled rows go back to sample-major order with a copy of the
+output, which costs as much as the locality saves below ~32 ids per bag (``MIN_IDS_PER_BAG``;
+in-process, 2 threads, 100 and 700 items: one-hot dlrm-mlperf 0.98 -> 2.31 ms at 700 items, 24 ids
+per bag 0.95x, 32 ids 1.04-1.06x, 64 ids 1.06-1.18x, rm2's 120 ids 1.10-1.23x).
+
 ``table_major`` copies the ids into table-major order with each table's first row added,
 in one pass of the C helper ``_bag_order.c`` (the same pass the numpy path spends on
 ``np.repeat`` and an add), and ``sample_major`` puts the pooled rows back. Each bag keeps
@@ -22,7 +27,7 @@ import numpy as np
 
 from .native import NativeHelper
 
-__all__ = ["available", "table_major", "sample_major"]
+__all__ = ["MIN_IDS_PER_BAG", "available", "worth_it", "table_major", "sample_major"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -34,6 +39,15 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 HELPER = NativeHelper("_bag_order.c", _declare, opt_out=("SIXFOLD_BAG_ORDER", "sample"),
                       purpose="embedding lookups keep the requests' sample-major bag order", flags=("-O3",))
+
+
+MIN_IDS_PER_BAG = 32
+"""Mean ids per bag from which ``worth_it`` says yes (see the module docstring)."""
+
+
+def worth_it(samples: int, ids: int, bags: int) -> bool:
+    """Whether a batch gains from table-major order: two or more samples, long bags on average."""
+    return samples > 1 and ids >= MIN_IDS_PER_BAG * bags
 
 
 def available() -> bool:

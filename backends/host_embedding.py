@@ -519,8 +519,9 @@ class HostEmbeddingStage:
             if ((ids < 0) | (ids >= limits)).any():
                 self._check_ids(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(flat))  # names the bad id
         samples = lengths.shape[0]
-        # Two or more samples: the ids in table-major order, so the lookup reads one table at a time.
-        ordered = bag_order.table_major(ids, ends - flat, flat, samples, self._row_offset_np) if samples > 1 else None
+        # Long bags of two or more samples: the ids in table-major order, so the lookup reads one table at a time.
+        ordered = (bag_order.table_major(ids, ends - flat, flat, samples, self._row_offset_np)
+                   if bag_order.worth_it(samples, total, flat.shape[0]) else None)
         if ordered is None:
             rows = np.repeat(self._row_offsets_of_bags(flat.shape[0]), flat)  # int64, a new array
             rows += ids  # NOTE: in place: one id-sized buffer per batch, not two

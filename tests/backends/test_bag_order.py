@@ -58,16 +58,25 @@ def test_sample_major_puts_pooled_rows_back():
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
 def test_the_stage_sums_the_same_bits_in_either_order(monkeypatch, precision):
     stage = HostEmbeddingStage(make_tables(rows=(50, 7, 1, 30, 400)), precision)
-    requests = {n: make_request(stage.table_rows, n=n, seed=n + 7, empty_every=5) for n in (1, 2, 64, 900)}
+    requests = {(n, longest): make_request(stage.table_rows, n=n, max_len=longest, seed=n + 7, empty_every=5)
+                for n in (1, 2, 64, 900) for longest in (6, 120)}
     calls = []
     real = bag_order.table_major
     monkeypatch.setattr(bag_order, "table_major", lambda *a: calls.append(a[3]) or real(*a))
-    table_major = {n: stage.run_numpy(*request) for n, request in requests.items()}
-    assert calls == [2, 64, 900]  # one sample is in table-major order already
+    table_major = {key: stage.run_numpy(*request) for key, request in requests.items()}
+    # One sample is in table-major order already; short bags (~2.4 ids a bag) stay sample-major.
+    assert calls == [2, 64, 900]
     monkeypatch.setattr(bag_order.HELPER, "_lib", None)  # as on a machine without the helper
-    for n, request in requests.items():
+    for (n, longest), request in requests.items():
         sample_major = stage.run_numpy(*request)
-        assert table_major[n].shape == (n * 5, stage.dim) and np.array_equal(table_major[n], sample_major)
+        assert table_major[n, longest].shape == (n * 5, stage.dim)
+        assert np.array_equal(table_major[n, longest], sample_major)
+
+
+def test_worth_it_needs_two_samples_and_long_bags():
+    assert bag_order.worth_it(samples=2, ids=64 * 32, bags=64)
+    assert not bag_order.worth_it(samples=2, ids=64 * 32 - 1, bags=64)
+    assert not bag_order.worth_it(samples=1, ids=32 * 1000, bags=32)
 
 
 def test_opt_out_variable_keeps_the_sample_major_order(monkeypatch, tmp_path):
