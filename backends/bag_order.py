@@ -31,10 +31,10 @@ __all__ = ["MIN_IDS_PER_BAG", "available", "worth_it", "table_major", "sample_ma
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.sixfold_table_major
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    for fn in (lib.sixfold_table_major, lib.sixfold_table_major_i32):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
 
 HELPER = NativeHelper("_bag_order.c", _declare, opt_out=("SIXFOLD_BAG_ORDER", "sample"),
@@ -59,7 +59,7 @@ def table_major(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, sample
                 row_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """The fused weight's rows and bag offsets in table-major order, or None without the helper.
 
-    ``ids``: the batch's ids, sample-major; ``starts``/``lengths``: each bag's first id and
+    ``ids``: the batch's ids, sample-major (int32 ids are read as they are, int64 out); ``starts``/``lengths``: each bag's first id and
     count ([samples * tables], sample-major, int64); ``row_offset``: each table's first row in
     the fused weight. Checks are the caller's (counts and ids were checked before).
     """
@@ -68,14 +68,16 @@ def table_major(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, sample
         return None
     tables = int(row_offset.shape[0])
     assert starts.shape == lengths.shape == (samples * tables,)
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    narrow = ids.dtype == np.int32
+    ids = np.ascontiguousarray(ids, dtype=np.int32 if narrow else np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     row_offset = np.ascontiguousarray(row_offset, dtype=np.int64)
     rows = np.empty(ids.shape[0], np.int64)
     offsets = np.empty(samples * tables, np.int64)
-    lib.sixfold_table_major(ids.ctypes.data, starts.ctypes.data, lengths.ctypes.data, samples, tables,
-                            row_offset.ctypes.data, rows.ctypes.data, offsets.ctypes.data)
+    reorder = lib.sixfold_table_major_i32 if narrow else lib.sixfold_table_major
+    reorder(ids.ctypes.data, starts.ctypes.data, lengths.ctypes.data, samples, tables, row_offset.ctypes.data,
+            rows.ctypes.data, offsets.ctypes.data)
     return rows, offsets
 
 

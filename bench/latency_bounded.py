@@ -96,7 +96,7 @@ import models  # noqa: E402
 from bench._common import command, machine_line, write_section  # noqa: E402
 from bench._thread_cpu import cpu_by_group, group_pids, thread_cpu  # noqa: E402
 from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
-from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client  # noqa: E402
+from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client, wire_tensors  # noqa: E402
 from loadgen.ideal import ideal_max_qps  # noqa: E402
 from models.requests import MLPERF_QUANTILES, MLPerfQuerySizes  # noqa: E402
 
@@ -300,6 +300,11 @@ def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
         runner.make_transport = original
 
 
+def _ids(args: argparse.Namespace, name: str) -> str:
+    """How a server gets its ids: --ids-dtype for this tree's sixfold servers, int64 for the others."""
+    return args.ids_dtype if name in ("sixfold", "sixfold-shm", "sixfold-nobatch") else "int64"
+
+
 def _client(name: str) -> str:
     """The loadgen transport a server is driven with: the shm variant sends tensors by region."""
     return "shm" if name == "sixfold-shm" else "raw"
@@ -316,9 +321,10 @@ def _load_config(url: str, model: str, cfg: models.ModelConfig, **kw: Any) -> Lo
                       zipf=cfg.zipf, dense_dim=cfg.dense_dim, wait_ready_s=60.0, **kw)
 
 
-def _encode(model: str, request: dict[str, np.ndarray], order: tuple[str, ...]) -> bytes:
+def _encode(model: str, request: dict[str, np.ndarray], order: tuple[str, ...], ids_dtype: str = "int64") -> bytes:
     from tritonclient.grpc import service_pb2
 
+    request = dict(wire_tensors(request, ids_dtype))
     message = service_pb2.ModelInferRequest(model_name=model)
     for name in order:
         array = request[name]
@@ -335,7 +341,7 @@ def _scores(answer: Any) -> np.ndarray:
 
 
 async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray]], expected: list[np.ndarray],
-                        order: tuple[str, ...]) -> dict[str, Any]:
+                        order: tuple[str, ...], ids_dtype: str = "int64") -> dict[str, Any]:
     """Send ``queries`` at once (so a batching server batches them); compare scores with ``expected``."""
     import grpc
     from tritonclient.grpc import service_pb2
@@ -343,7 +349,7 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
     async with grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
-        answers = await asyncio.gather(*(call(_encode(model, q, order), timeout=120) for q in queries),
+        answers = await asyncio.gather(*(call(_encode(model, q, order, ids_dtype), timeout=120) for q in queries),
                                        return_exceptions=True)
     worst, errors = 0.0, []
     for answer, want in zip(answers, expected):
@@ -360,7 +366,7 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
 
 
 async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order: tuple[str, ...],
-                       sizes: tuple[int, ...], repeats: int, *, client: str = "raw"
+                       sizes: tuple[int, ...], repeats: int, *, client: str = "raw", ids_dtype: str = "int64"
                        ) -> tuple[dict[int, float], dict[int, float]]:
     """Median and min ms of one query at a time, per size (after one untimed query of that size);
     ``client="shm"`` sends each query by shared memory region (loadgen's SharedMemoryTransport)."""
@@ -380,7 +386,7 @@ async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order
         return out, fastest
 
     if client == "shm":
-        transport = SharedMemoryTransport(url, model)
+        transport = SharedMemoryTransport(url, model, ids_dtype=ids_dtype)
 
         def by_region(n: int) -> bytes:
             query = gen.make(n)
@@ -393,14 +399,15 @@ async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order
     async with grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
                                    response_deserializer=None)
-        return await timed(lambda payload, n: call(payload, timeout=60), lambda n: _encode(model, gen.make(n), order))
+        return await timed(lambda payload, n: call(payload, timeout=60), lambda n: _encode(model, gen.make(n), order, ids_dtype))
 
 
 async def search(url: str, model: str, cfg: models.ModelConfig, args: argparse.Namespace, bound: float, *,
-                 lo: float, hi: float, seed: int, console: Any, client: str = "raw") -> dict[str, Any]:
+                 lo: float, hi: float, seed: int, console: Any, client: str = "raw", ids_dtype: str = "int64"
+                 ) -> dict[str, Any]:
     """The find-max-qps search for one bound: the answer and its best step's figures."""
     config = _load_config(url, model, cfg, qps=lo, duration_s=args.step, warmup_s=args.warmup, seed=seed,
-                          drain_timeout_s=10.0, client=client, channels=_channels(args, client))
+                          drain_timeout_s=10.0, client=client, channels=_channels(args, client), ids_dtype=ids_dtype)
     sweep = SweepConfig(p99_ms=bound, min_qps=lo, max_qps=hi, floor_qps=min(FLOOR_QPS, lo),
                         step_duration_s=args.step, tolerance=args.tolerance, max_steps=args.max_steps, settle_s=2.0)
     report = await find_max_qps_async(config, sweep, console=console)
@@ -481,19 +488,20 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         log(f"{tag}: serving at {url} ({time.perf_counter() - t0:.0f} s to start)")
         order = WIRE_ORDER[name]
         entry: dict[str, Any] = {"wire_order": list(order),
-                                 "answers": asyncio.run(check_answers(url, model, queries, expected, order))}
+                                 "answers": asyncio.run(check_answers(url, model, queries, expected, order,
+                                                                      _ids(args, name)))}
         if order != USUAL_ORDER:
             entry["answers_usual_order"] = asyncio.run(check_answers(url, model, queries, expected, USUAL_ORDER))
         log(f"{tag}: answers {entry['answers']}")
         gen = models.RequestGenerator.for_config(cfg, seed=13)
         entry["idle_ms"], entry["idle_ms_min"] = asyncio.run(idle_latency(
             url, model, gen, order, (int(MEAN_QUERY_ITEMS), LARGEST_QUERY), args.idle_repeats,
-            client=_client(name)))
+            client=_client(name), ids_dtype=_ids(args, name)))
         log(f"{tag}: idle latency (ms by items) median {entry['idle_ms']}, min {entry['idle_ms_min']}")
         with inputs_in_order(order):
             warm = asyncio.run(run_load_async(_load_config(url, model, cfg, qps=0, duration_s=args.warmup_run,
                                                            concurrency=2, seed=1000 * run + 500,
-                                                           client=_client(name),
+                                                           client=_client(name), ids_dtype=_ids(args, name),
                                                            channels=_channels(args, _client(name)))))
             entry["closed_loop_qps"] = round(float(warm.achieved_qps), 2)
             # The search starts at a quarter of what 2 outstanding queries get: a rate near the answer for
@@ -508,7 +516,7 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
                         f"{entry['idle_ms_min'][LARGEST_QUERY]:g} ms at best")
                     continue
                 result = asyncio.run(search(url, model, cfg, args, bound, lo=start, hi=hi, seed=1000 * run,
-                                            console=console, client=_client(name)))
+                                            console=console, client=_client(name), ids_dtype=_ids(args, name)))
                 entry["bounds"][bound] = result
                 start = max(start, result["max_qps"] or 0.0)  # passes a looser bound too: start there
                 log(f"{tag}: p99 <= {bound:g} ms: max {_qps(result)} q/s")
@@ -543,7 +551,8 @@ def measure_saturation(server: ServerProc, url: str, model: str, cfg: models.Mod
         # window's.
         report = asyncio.run(run_load_async(_load_config(
             url, model, cfg, qps=0, duration_s=args.saturation_s, concurrency=concurrency,
-            seed=1000 * run + 700 + concurrency, client=_client(name), channels=_channels(args, _client(name)))))
+            seed=1000 * run + 700 + concurrency, client=_client(name), channels=_channels(args, _client(name)),
+            ids_dtype=_ids(args, name))))
         groups = cpu_by_group(before, thread_cpu(pids))
         wall = time.perf_counter() - t0
         answered = max(1, report.requests.get("ok", 0))
@@ -938,6 +947,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
     p.add_argument("--skip-shm", action="store_true",
                    help="leave out sixfold driven through system shared memory (loadgen --client shm)")
+    p.add_argument("--ids-dtype", choices=("int64", "int32"), default="int64",
+                   help="sparse_indices as this tree's sixfold servers get them (default int64; int32: half the "
+                        "bytes); --baseline-tree's server and MLServer always get int64")
     p.add_argument("--baseline-tree", metavar="DIR",
                    help="also serve with the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`), first on "
                         "PYTHONPATH with this venv: 'sixfold-before', in the same rotated runs as 'sixfold'")
@@ -961,6 +973,9 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup_run = 1.0 if q else 2.0
     args.idle_repeats = 3 if q else 5
     args.offline_again = not q
+    if args.ids_dtype != "int64":
+        for name in ("sixfold", "sixfold-shm", "sixfold-nobatch"):
+            LABEL[name] += f", {args.ids_dtype.upper()} ids"
     args.check_sizes = (100, 270, 700)
     args.saturation = [c for c in (args.saturation if args.saturation is not None else ([8] if q else [4, 8, 16]))
                        if c > 0]

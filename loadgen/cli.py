@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 
 from .arrivals import ARRIVAL_FORMS
-from .config import CLIENTS, LoadConfig, parse_float_list, parse_int_list
+from .config import CLIENTS, IDS_DTYPES, LoadConfig, parse_float_list, parse_int_list
 from .errors import LoadgenError
 from .report import Report, print_report
 
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=1,
                    help="gRPC connections the raw and shm clients spread requests over (default 1); a server of "
                         "several processes (sixfold-serve --workers N) sees only those its connections reach")
+    p.add_argument("--ids-dtype", choices=IDS_DTYPES, default="int64",
+                   help="sparse_indices on the wire: int64 (the signature's, default) or int32, half the bytes; "
+                        "sixfold takes int32 ids for table-batched models (the zoo's), another server may not")
     p.add_argument("--client", choices=CLIENTS, default="raw",
                    help="raw: requests pre-serialized, sent on a gRPC channel (default); "
                         "tritonclient: every request through InferenceServerClient.infer; "
@@ -188,7 +191,8 @@ def _config(args: argparse.Namespace) -> LoadConfig:
             duration_s=1.0, query_size=args.query_size, seed=args.seed, wait_ready_s=args.wait_ready,
             table_rows=parse_int_list(args.table_rows, "--table-rows") if args.table_rows else None,
             pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
-            dense_dim=args.dense_dim, zipf=_zipf(args), client=args.client, channels=args.channels)
+            dense_dim=args.dense_dim, zipf=_zipf(args), client=args.client, channels=args.channels,
+            ids_dtype=args.ids_dtype)
     rate_free = args.concurrency is not None or args.replay or args.arrival.strip().lower().startswith("trace:")
     if args.qps is None and not (rate_free or args.find_max_qps or args.export_perf_analyzer):
         raise ValueError("--qps is required (or give --concurrency, --find-max-qps, --replay, "
@@ -213,7 +217,8 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
         dense_dim=args.dense_dim, zipf=_zipf(args),
         id_drift=args.id_drift, concurrency=args.concurrency, record_path=args.record, replay_path=args.replay,
-        client=args.client, lag_threshold_ms=args.lag_threshold_ms, channels=args.channels)
+        client=args.client, lag_threshold_ms=args.lag_threshold_ms, channels=args.channels,
+        ids_dtype=args.ids_dtype)
 
 
 def _zipf(args: argparse.Namespace) -> float | tuple[float, ...] | None:

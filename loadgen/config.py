@@ -10,9 +10,12 @@ from models.requests import parse_query_sizes
 
 from .arrivals import parse_arrival
 
-__all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES", "CLIENTS"]
+__all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES", "CLIENTS",
+           "IDS_DTYPES"]
 
 CLIENTS = ("raw", "tritonclient", "shm")
+IDS_DTYPES = ("int64", "int32")
+"""How ``sparse_indices`` go on the wire: INT64 (the signature's), or INT32 (half the bytes)."""
 """How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``loadgen.transport``)."""
 
 REQUEST_LIMIT = 10_000_000
@@ -98,6 +101,9 @@ class LoadConfig:
     channels: int = 1
     """gRPC connections the ``raw`` and ``shm`` clients spread requests over, round robin: a channel
     stays on one process of a server of several (``sixfold-serve --workers``), so reach them all."""
+    ids_dtype: Literal["int64", "int32"] = "int64"
+    """``int32``: send ``sparse_indices`` as INT32, half the bytes of INT64, to a server that takes
+    them (sixfold does for table-batched models; another server may refuse them)."""
 
     def __post_init__(self) -> None:
         if not self.url or "://" in self.url or ":" not in self.url:
@@ -126,6 +132,8 @@ class LoadConfig:
             raise ValueError(f"dense_dim must be >= 1, got {self.dense_dim}")
         if self.client not in CLIENTS:
             raise ValueError(f"bad client {self.client!r}: expected one of {', '.join(CLIENTS)}")
+        if self.ids_dtype not in IDS_DTYPES:
+            raise ValueError(f"bad ids_dtype {self.ids_dtype!r}: expected one of {', '.join(IDS_DTYPES)}")
         if self.channels < 1:
             raise ValueError(f"channels must be >= 1, got {self.channels}")
         if self.channels > 1 and self.client == "tritonclient":

@@ -188,7 +188,7 @@ class Target:
                     if key in self.recorded_shape:
                         self.shape.sources[key] = "recording"
             self.transport = make_transport(config.client, config.url, self.client, config.model,
-                                            config.model_version, config.channels)
+                                            config.model_version, config.channels, config.ids_dtype)
             await self.transport.connect(max(1.0, config.wait_ready_s))
         except BaseException:
             await self.__aexit__()

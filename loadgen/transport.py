@@ -15,6 +15,9 @@ Two clients, both KServe v2 over gRPC:
   system shared memory extension); a send is a small pre-serialized request
   that names the region, so the ids never cross the socket.
 
+``ids_dtype="int32"`` (``--ids-dtype int32``) sends ``sparse_indices`` as INT32: half the bytes of
+the signature's INT64, for a server that takes them (sixfold does for table-batched models).
+
 Either way a failed request raises ``RequestFailed`` with a short reason
 (the gRPC status name, lower case, or ``bad_output``).
 """
@@ -35,13 +38,13 @@ import tritonclient.grpc.aio as tritonaio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from models.signature import SCORES
+from models.signature import INDICES, SCORES
 
-from .config import CLIENTS
+from .config import CLIENTS, IDS_DTYPES
 from .errors import LoadgenError
 
 __all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "SharedMemoryTransport",
-           "make_transport", "DATATYPES", "CHANNEL_OPTIONS", "make_client"]
+           "make_transport", "wire_tensors", "DATATYPES", "CHANNEL_OPTIONS", "make_client"]
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
 CHANNEL_OPTIONS = [
@@ -82,6 +85,20 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+def wire_tensors(request: Mapping[str, np.ndarray], ids_dtype: str) -> Mapping[str, np.ndarray]:
+    """The request as sent: ``sparse_indices`` narrowed to int32 when ``ids_dtype`` says so.
+
+    Runs in ``prepare``, before the clock starts; an id that does not fit int32 is refused.
+    """
+    ids = request.get(INDICES)
+    if ids_dtype != "int32" or ids is None or ids.dtype == np.int32:
+        return request
+    if ids.size and (int(ids.max()) > np.iinfo(np.int32).max or int(ids.min()) < np.iinfo(np.int32).min):
+        raise LoadgenError(f"--ids-dtype int32: an id of '{INDICES}' does not fit int32 "
+                           f"(range {int(ids.min())}..{int(ids.max())}); send int64 ids")
+    return {name: (array.astype(np.int32) if name == INDICES else array) for name, array in request.items()}
+
+
 def _check_scores(shape: list[int] | tuple[int, ...], name: str, items: int) -> None:
     if name != SCORES or list(shape) != [items, 1]:
         raise RequestFailed("bad_output", f"expected {SCORES} [{items}, 1], got {name} {list(shape)}")
@@ -101,8 +118,8 @@ class RawGrpcTransport:
     a server of several processes on one port (``sixfold-serve --workers``) sees them all.
     """
 
-    def __init__(self, url: str, model: str, version: str = "", channels: int = 1) -> None:
-        self.url, self.model, self.version = url, model, version
+    def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64") -> None:
+        self.url, self.model, self.version, self.ids_dtype = url, model, version, ids_dtype
         options = CHANNEL_OPTIONS if channels == 1 else [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
         self._channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(channels)]
         calls = [channel.unary_unary(_MODEL_INFER, request_serializer=None,  # payloads are already bytes
@@ -113,7 +130,7 @@ class RawGrpcTransport:
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
         message = service_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
-        for name, array in request.items():
+        for name, array in wire_tensors(request, self.ids_dtype).items():
             message.inputs.add(name=name, datatype=DATATYPES[array.dtype], shape=list(array.shape))
             message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
         message.outputs.add(name=SCORES)
@@ -148,15 +165,15 @@ class SharedMemoryTransport(RawGrpcTransport):
     resource tracker unlinks them even if loadgen dies without closing.
     """
 
-    def __init__(self, url: str, model: str, version: str = "", channels: int = 1) -> None:
-        super().__init__(url, model, version, channels)
+    def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64") -> None:
+        super().__init__(url, model, version, channels, ids_dtype)
         self._control = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._control)
         self._segments: list[shared_memory.SharedMemory] = []
         self._tag = uuid.uuid4().hex[:8]
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
-        arrays = {name: np.ascontiguousarray(array) for name, array in request.items()}
+        arrays = {name: np.ascontiguousarray(array) for name, array in wire_tensors(request, self.ids_dtype).items()}
         name = f"sixfold-loadgen-{self._tag}-{len(self._segments)}"
         segment = shared_memory.SharedMemory(name=name, create=True, size=max(1, sum(a.nbytes for a in arrays.values())))
         self._segments.append(segment)
@@ -197,13 +214,14 @@ class SharedMemoryTransport(RawGrpcTransport):
 class TritonClientTransport:
     """Every request through the stock ``InferenceServerClient.infer`` (see module docstring)."""
 
-    def __init__(self, client: tritonaio.InferenceServerClient, model: str, version: str = "") -> None:
-        self.client, self.model, self.version = client, model, version
+    def __init__(self, client: tritonaio.InferenceServerClient, model: str, version: str = "",
+                 ids_dtype: str = "int64") -> None:
+        self.client, self.model, self.version, self.ids_dtype = client, model, version, ids_dtype
         self._outputs = [tritonaio.InferRequestedOutput(SCORES)]
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> list[tritonaio.InferInput]:
         inputs = []
-        for name, array in request.items():
+        for name, array in wire_tensors(request, self.ids_dtype).items():
             item = tritonaio.InferInput(name, list(array.shape), DATATYPES[array.dtype])
             item.set_data_from_numpy(np.ascontiguousarray(array))
             inputs.append(item)
@@ -234,12 +252,14 @@ def make_client(url: str) -> tritonaio.InferenceServerClient:
 
 
 def make_transport(kind: str, url: str, client: tritonaio.InferenceServerClient, model: str,
-                   version: str = "", channels: int = 1) -> Transport:
-    """The transport named by ``LoadConfig.client`` (``channels``: see ``LoadConfig.channels``)."""
+                   version: str = "", channels: int = 1, ids_dtype: str = "int64") -> Transport:
+    """The transport named by ``LoadConfig.client`` (``channels``, ``ids_dtype``: see ``LoadConfig``)."""
+    if ids_dtype not in IDS_DTYPES:
+        raise ValueError(f"bad ids_dtype {ids_dtype!r}: expected one of {', '.join(IDS_DTYPES)}")
     if kind == "raw":
-        return RawGrpcTransport(url, model, version, channels)
+        return RawGrpcTransport(url, model, version, channels, ids_dtype)
     if kind == "tritonclient":
-        return TritonClientTransport(client, model, version)
+        return TritonClientTransport(client, model, version, ids_dtype)
     if kind == "shm":
-        return SharedMemoryTransport(url, model, version, channels)
+        return SharedMemoryTransport(url, model, version, channels, ids_dtype)
     raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")

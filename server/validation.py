@@ -22,11 +22,17 @@ __all__ = ["InputSpec", "validate_request"]
 
 
 class InputSpec:
-    """One input of a model's signature: name, datatype and shape (-1 = any)."""
+    """One input of a model's signature: name, datatype and shape (-1 = any).
 
-    def __init__(self, name: str, datatype: str, shape: Sequence[int]) -> None:
+    ``also``: further datatypes the model takes for this input (e.g. INT32 ids, half the bytes of
+    INT64 ones, for a host stage that reads either); the signature's ``datatype`` is what metadata says.
+    """
+
+    def __init__(self, name: str, datatype: str, shape: Sequence[int], also: Sequence[str] = ()) -> None:
         self.name, self.datatype, self.shape = name, datatype, tuple(shape)
         self.dtype = DTYPES[datatype]
+        self.also = tuple(also)
+        self._also_dtypes = tuple(DTYPES[d] for d in self.also)
         # NOTE: the usual signature is [-1, d, ...]: then a shape matches when its tail does,
         # one tuple comparison instead of a loop per request.
         self._tail = self.shape[1:] if self.shape[:1] == (-1,) and -1 not in self.shape[1:] else None
@@ -75,8 +81,9 @@ def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
         _check_names(inputs, specs)
     for spec in specs:
         array = inputs[spec.name]
-        if array.dtype != spec.dtype:
-            raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {spec.datatype}")
+        if array.dtype != spec.dtype and array.dtype not in spec._also_dtypes:
+            expected = " or ".join((spec.datatype, *spec.also))
+            raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {expected}")
         if not spec.matches(array.shape):
             raise _shape_mismatch(spec, array)
 

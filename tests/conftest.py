@@ -11,7 +11,8 @@ import pytest
 
 from server.process import ReadyProcess
 
-_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
+_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int16): "INT16", np.dtype(np.int32): "INT32",
+              np.dtype(np.int64): "INT64"}
 
 
 @pytest.fixture

@@ -78,6 +78,34 @@ async def test_concurrent_mixed_sizes_through_the_asyncio_client(served_rm2, gen
         np.testing.assert_allclose(result.as_numpy("scores"), served_rm2.expected(request), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("items", [1, 37, 300])
+def test_int32_ids_score_like_int64_ones(client, served_rm2, gen, items: int) -> None:
+    """A table-batched model takes INT32 ids too (half the bytes on the wire); metadata still says INT64."""
+    request = gen.make(items)
+    narrow = {**request, "sparse_indices": request["sparse_indices"].astype(np.int32)}
+    inputs = triton_inputs(tc, narrow)
+    assert inputs[2].datatype() == "INT32"
+    result = client.infer("rm2", inputs, outputs=[tc.InferRequestedOutput("scores")])
+    np.testing.assert_allclose(result.as_numpy("scores"), served_rm2.expected(request), atol=ATOL, rtol=0)
+    bad = narrow["sparse_indices"].copy()
+    bad[-1] = -1  # a negative int32 id is still caught by the one-pass unsigned check
+    _expect_error(client, "rm2", {**narrow, "sparse_indices": bad}, "StatusCode.INVALID_ARGUMENT",
+                  "sparse_indices", "id -1", "out of range")
+    _expect_error(client, "rm2", {**request, "sparse_indices": request["sparse_indices"].astype(np.int16)},
+                  "StatusCode.INVALID_ARGUMENT", "'sparse_indices': datatype INT16 but the model expects INT64 or INT32")
+
+
+@pytest.mark.parametrize("transport", ["raw", "tritonclient"])
+async def test_a_loadgen_run_with_int32_ids_is_served_without_errors(served_rm2, transport: str) -> None:
+    from loadgen import LoadConfig, run_load_async
+
+    config = LoadConfig(url=served_rm2.url, model="rm2", qps=20.0, duration_s=1.0, query_size="mlperf",
+                        wait_ready_s=10.0, drain_timeout_s=10.0, pool=4, arrival="constant", client=transport,
+                        ids_dtype="int32")
+    report = await run_load_async(config)
+    assert report.requests["sent"] == report.requests["ok"] == 20, report.errors_by_reason
+
+
 def _typed_request(request: dict[str, np.ndarray]) -> service_pb2.ModelInferRequest:
     message = service_pb2.ModelInferRequest(model_name="rm2")
     for name, datatype, field in (("dense_features", "FP32", "fp32_contents"),

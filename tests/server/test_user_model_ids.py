@@ -103,6 +103,9 @@ def test_ids_shifted_into_a_shared_table_are_checked_per_table(tmp_path) -> None
         bad = _request(3, 1)
         bad["sparse_indices"][4] = ROWS  # item 1, table 1: inside the shared weight, but table 2's first row
         _bad_id_is_invalid_argument(client, "shared", bad, "id 10 at position 4 is out of range for table 1")
+        # The model's own host graph takes its traced INT64 ids only (INT32 is the tables backend's).
+        narrow = {**_request(2, 3), "sparse_indices": _request(2, 3)["sparse_indices"].astype(np.int32)}
+        _bad_id_is_invalid_argument(client, "shared", narrow, "datatype INT32 but the model expects INT64")
         _check_good(client, "shared", model)
 
 
