@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--client", choices=("raw", "shm"), default="raw",
                    help="loadgen's transport: raw gRPC bytes (default) or tensors in system shared memory")
+    p.add_argument("--ids-dtype", choices=("int64", "int32"), default="int64",
+                   help="sparse_indices on the wire (default int64; int32: half the bytes, every --tree must take them)")
     p.add_argument("--tree", action="append", default=[], metavar="DIR",
                    help="also serve the code in DIR (e.g. `git archive COMMIT | tar -x -C DIR`); repeatable; "
                         "'.' is this tree. With --rounds, the trees alternate at each rate, order rotated per round")
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"server did not start: {proc.poll()}")
         load_before = os.getloadavg()[0]
         config = _load_config(url, args.model, cfg, qps=qps, duration_s=args.duration, warmup_s=args.warmup,
-                              seed=args.seed, drain_timeout_s=10.0, client=args.client)
+                              seed=args.seed, drain_timeout_s=10.0, client=args.client, ids_dtype=args.ids_dtype)
         report = asyncio.run(run_load_async(config))
         load_after = os.getloadavg()[0]
         proc.send_signal(signal.SIGUSR1)
