@@ -4,7 +4,8 @@ Requests carry their ids sample-major (sample 0's bag for every table, then samp
 One ``embedding_bag`` call over the fused weight in that order reads rows from every table
 for each sample, so a large batch's working set is all the tables' hot rows at once: for a
 700-item rm2 query (2.69M ids over 32 tables of 50k rows) the lookup took 26 ms that way and
-12 ms with the same ids in table-major order, on this project's 2-core VM (bench/host_embedding.py).
+12 ms with the same ids in table-major order, on this project's 2-core VM (BENCHMARKS.md,
+"rm2's lookups read one table at a time").
 
 Worth it only for long bags: the pooled rows go back to sample-major order with a copy of the
 output, which costs as much as the locality saves below ~32 ids per bag (``MIN_IDS_PER_BAG``;
@@ -59,9 +60,10 @@ def table_major(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, sample
                 row_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """The fused weight's rows and bag offsets in table-major order, or None without the helper.
 
-    ``ids``: the batch's ids, sample-major (int32 ids are read as they are, int64 out); ``starts``/``lengths``: each bag's first id and
-    count ([samples * tables], sample-major, int64); ``row_offset``: each table's first row in
-    the fused weight. Checks are the caller's (counts and ids were checked before).
+    ``ids``: the batch's ids, sample-major (int32 ones are read as they are; the rows are int64);
+    ``starts``/``lengths``: each bag's first id and count ([samples * tables], sample-major, int64);
+    ``row_offset``: each table's first row in the fused weight. Checks are the caller's (counts and
+    ids were checked before).
     """
     lib = HELPER.load()
     if lib is None:

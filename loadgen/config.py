@@ -14,9 +14,9 @@ __all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", 
            "IDS_DTYPES"]
 
 CLIENTS = ("raw", "tritonclient", "shm")
+"""How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``loadgen.transport``)."""
 IDS_DTYPES = ("int64", "int32")
 """How ``sparse_indices`` go on the wire: INT64 (the signature's), or INT32 (half the bytes)."""
-"""How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``loadgen.transport``)."""
 
 REQUEST_LIMIT = 10_000_000
 """Hard cap on requests in one run, so a typo in --qps cannot exhaust memory."""
