@@ -16,11 +16,12 @@ def _query(items: int = 5) -> dict[str, np.ndarray]:
     return models.RequestGenerator.for_config(models.get_config("rm2", max_rows=1000), seed=3).make(items)
 
 
-def test_raw_requests_carry_int32_ids_in_half_the_bytes():
+async def test_raw_requests_carry_int32_ids_in_half_the_bytes():
     query = _query()
-    wide = service_pb2.ModelInferRequest.FromString(RawGrpcTransport("127.0.0.1:1", "rm2").prepare(query))
-    narrow = service_pb2.ModelInferRequest.FromString(
-        RawGrpcTransport("127.0.0.1:1", "rm2", ids_dtype="int32").prepare(query))
+    transports = [RawGrpcTransport("127.0.0.1:1", "rm2"), RawGrpcTransport("127.0.0.1:1", "rm2", ids_dtype="int32")]
+    wide, narrow = (service_pb2.ModelInferRequest.FromString(t.prepare(query)) for t in transports)
+    for transport in transports:
+        await transport.close()
     assert [t.datatype for t in wide.inputs] == ["FP32", "INT32", "INT64"]
     assert [t.datatype for t in narrow.inputs] == ["FP32", "INT32", "INT32"]
     assert len(narrow.raw_input_contents[2]) * 2 == len(wide.raw_input_contents[2])
