@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .native import cache_dir
 from .spec import DeviceSpec
 
 __all__ = ["calibrate_host", "measure_host", "main", "MATMUL_SHAPES", "GATHER_DIMS", "machine_key", "cache_dir",
@@ -340,14 +341,6 @@ def calibrate_host(seconds_budget: float = 10.0, *, threads: int | None = None, 
                       gather_bandwidth=m["gather_bandwidth"], per_id_seconds=m["per_id_seconds"],
                       per_index_seconds=m.get("per_index_seconds", 0.0),
                       per_op_seconds=m["per_op_seconds"], per_batch_seconds=m["per_batch_seconds"])
-
-
-def cache_dir() -> Path:
-    """Where per-machine calibrations live: $SIXFOLD_CACHE_DIR, else $XDG_CACHE_HOME/sixfold, else ~/.cache/sixfold."""
-    if os.environ.get("SIXFOLD_CACHE_DIR"):
-        return Path(os.environ["SIXFOLD_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sixfold"
 
 
 def machine_key() -> str:

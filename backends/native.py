@@ -1,7 +1,7 @@
 """Small C helpers, compiled with the system C compiler on first use and called through ctypes.
 
 A helper is one C file next to this module. It is compiled once per machine (and per source
-version: the file name carries its hash) into ``$SIXFOLD_CACHE_DIR`` (default
+version: the file name carries its hash) into ``cache_dir()`` (``$SIXFOLD_CACHE_DIR``, default
 ``~/.cache/sixfold``), then loaded with ``ctypes``, whose calls release the GIL. With no
 compiler, or with the helper's opt-out variable set, ``load`` returns ``None`` and the
 caller runs its pure-Python/numpy path, which gives the same results more slowly.
@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SIXFOLD_CACHE_DIR") or Path.home() / ".cache" / "sixfold")
+    """Where sixfold keeps per-machine files (compiled helpers, calibrations): $SIXFOLD_CACHE_DIR, else
+    $XDG_CACHE_HOME/sixfold, else ~/.cache/sixfold."""
+    if os.environ.get("SIXFOLD_CACHE_DIR"):
+        return Path(os.environ["SIXFOLD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sixfold"
 
 
 class NativeHelper:
@@ -71,8 +76,3 @@ class NativeHelper:
             except (OSError, AttributeError, subprocess.SubprocessError) as exc:
                 log.warning("%s (C helper %s unavailable: %s)", self.purpose, self.source.name, exc)
             return self._lib
-
-    def reset(self) -> None:
-        """Forget the load (tests: force the Python path, or a fresh compile)."""
-        with self._lock:
-            self._lib, self._tried = None, False

@@ -41,13 +41,9 @@ HELPER = NativeHelper("_pread.c", _declare, opt_out=("SIXFOLD_PREAD", "python"),
                       purpose="table reads fall back to a Python pread loop")
 
 
-def _load() -> ctypes.CDLL | None:
-    return HELPER.load()
-
-
 def native_available() -> bool:
     """Whether reads go through the compiled helper (else a Python loop)."""
-    return _load() is not None
+    return HELPER.load() is not None
 
 
 def gather(fd: int, offsets: np.ndarray, row_bytes: int, out: np.ndarray, block: int = 0) -> None:
@@ -57,7 +53,7 @@ def gather(fd: int, offsets: np.ndarray, row_bytes: int, out: np.ndarray, block:
         return
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     assert out.flags.c_contiguous and out.nbytes >= n * row_bytes
-    lib = _load()
+    lib = HELPER.load()
     if lib is not None:
         err = ctypes.c_int(0)
         rc = lib.sixfold_gather(fd, offsets.ctypes.data, n, row_bytes, out.ctypes.data, block, ctypes.byref(err))

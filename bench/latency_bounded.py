@@ -83,6 +83,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -109,6 +110,7 @@ FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means n
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
 CHANNELS_PER_WORKER = 8
 SERVERS = ("sixfold", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "mlserver")
+THIS_TREE = ("sixfold", "sixfold-shm", "sixfold-nobatch")  # the servers that run this checkout's code
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
          "sixfold": "sixfold (default batching)",
@@ -302,7 +304,7 @@ def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
 
 def _ids(args: argparse.Namespace, name: str) -> str:
     """How a server gets its ids: --ids-dtype for this tree's sixfold servers, int64 for the others."""
-    return args.ids_dtype if name in ("sixfold", "sixfold-shm", "sixfold-nobatch") else "int64"
+    return args.ids_dtype if name in THIS_TREE else "int64"
 
 
 def _client(name: str) -> str:
@@ -321,10 +323,10 @@ def _load_config(url: str, model: str, cfg: models.ModelConfig, **kw: Any) -> Lo
                       zipf=cfg.zipf, dense_dim=cfg.dense_dim, wait_ready_s=60.0, **kw)
 
 
-def _encode(model: str, request: dict[str, np.ndarray], order: tuple[str, ...], ids_dtype: str = "int64") -> bytes:
+def _encode(model: str, request: Mapping[str, np.ndarray], order: tuple[str, ...], ids_dtype: str = "int64") -> bytes:
     from tritonclient.grpc import service_pb2
 
-    request = dict(wire_tensors(request, ids_dtype))
+    request = wire_tensors(request, ids_dtype)
     message = service_pb2.ModelInferRequest(model_name=model)
     for name in order:
         array = request[name]
@@ -974,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     args.idle_repeats = 3 if q else 5
     args.offline_again = not q
     if args.ids_dtype != "int64":
-        for name in ("sixfold", "sixfold-shm", "sixfold-nobatch"):
+        for name in THIS_TREE:
             LABEL[name] += f", {args.ids_dtype.upper()} ids"
     args.check_sizes = (100, 270, 700)
     args.saturation = [c for c in (args.saturation if args.saturation is not None else ([8] if q else [4, 8, 16]))
