@@ -20,6 +20,11 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
                    best items/s, one after another in arrival order, no overhead. Queueing alone
                    keeps it below offline's q/s under a latency bound: it is the most any server can
                    reach here, and ``sixfold / ideal`` what sixfold leaves on the table
+  fifo             the ideal's policy run for real (``bench/fifo_server.py``): the offline torch model
+                   on all cores behind a bare grpc.aio server, one query at a time in arrival order, no
+                   batching; it gets ``--ids-dtype`` as sixfold does. ``fifo / ideal`` is what this
+                   machine (transport, the client on the same cores, jitter, per-query speed below the
+                   best batch's) costs that policy; ``sixfold / fifo`` compares sixfold with it
   mlserver         Seldon MLServer 1.7 (``bench/mlserver/serve.py`` in ``.venv-mlserver``) serving
                    the same torch model (same name, rows and seed) with adaptive batching
                    (``--mlserver-batch-size`` requests, ``--mlserver-batch-time`` s); its runtime
@@ -109,18 +114,21 @@ IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
 FEW_QUERIES = 40  # a passing step with fewer queries likely drew only 0-1 of the 700-item ones (5% of the mix)
 CHANNELS_PER_WORKER = 8
-SERVERS = ("sixfold", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "mlserver")
+SERVERS = ("sixfold", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "fifo", "mlserver")
 THIS_TREE = ("sixfold", "sixfold-shm", "sixfold-nobatch")  # the servers that run this checkout's code
+TAKES_IDS_DTYPE = (*THIS_TREE, "fifo")  # --ids-dtype reaches these; the others get INT64 ids
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
          "sixfold": "sixfold (default batching)",
          "sixfold-shm": "sixfold (default batching), inputs in system shared memory (`--client shm`)",
          "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching",
+         "fifo": "FIFO server, measured (`bench/fifo_server.py`: the ideal's policy run here, offline torch, "
+                 "one query at a time, over gRPC)",
          "sixfold-before": "sixfold at --baseline-tree (default batching)"}
 USUAL_ORDER = ("dense_features", "sparse_lengths", "sparse_indices")  # loadgen's (RequestGenerator.make)
 DENSE_LAST = ("sparse_indices", "sparse_lengths", "dense_features")  # the one MLServer's batching answers
 WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
-              "mlserver": DENSE_LAST}
+              "fifo": USUAL_ORDER, "mlserver": DENSE_LAST}
 MLSERVER_PYTHON = ROOT / ".venv-mlserver" / "bin" / "python"
 GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
 
@@ -303,8 +311,9 @@ def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
 
 
 def _ids(args: argparse.Namespace, name: str) -> str:
-    """How a server gets its ids: --ids-dtype for this tree's sixfold servers, int64 for the others."""
-    return args.ids_dtype if name in THIS_TREE else "int64"
+    """How a server gets its ids: --ids-dtype for this tree's sixfold servers and the FIFO server, int64 for
+    the others."""
+    return args.ids_dtype if name in TAKES_IDS_DTYPE else "int64"
 
 
 def _client(name: str) -> str:
@@ -465,7 +474,15 @@ def measure_offline(name: str, cfg: models.ModelConfig, max_rows: int, batches: 
 # One model, one run
 
 
+def fifo_server(model: str, max_rows: int) -> ServerProc:
+    argv = [sys.executable, str(ROOT / "bench" / "fifo_server.py"), "--model", model, "--max-rows", str(max_rows),
+            "--host", "127.0.0.1", "--port", "0"]
+    return ServerProc("fifo", argv, ready_line="READY grpc=")
+
+
 def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
+    if name == "fifo":
+        return fifo_server(model, args.max_rows)
     if name == "mlserver":
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
     if name == "sixfold-before":
@@ -580,6 +597,7 @@ def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> d
     names = [s for s in SERVERS if not ((s == "mlserver" and args.skip_mlserver)
                                         or (s == "sixfold-nobatch" and args.skip_nobatch)
                                         or (s == "sixfold-shm" and args.skip_shm)
+                                        or (s == "fifo" and args.skip_fifo)
                                         or (s == "sixfold-before" and not args.baseline_tree))]
     k = run % len(names)
     run_order = names[k:] + names[:k]
@@ -685,7 +703,7 @@ def _median_entry(entries: list[dict[str, Any]], bound: float) -> dict[str, Any]
 RATIOS = (("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
           ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"),
           ("sixfold-before", "ideal"), ("sixfold", "sixfold-before"), ("sixfold-shm", "ideal"),
-          ("sixfold-shm", "sixfold"))
+          ("sixfold-shm", "sixfold"), ("fifo", "ideal"), ("sixfold", "fifo"), ("sixfold-shm", "fifo"))
 
 
 def ideal_qps(offline: dict[str, Any], bound: float) -> float:
@@ -808,8 +826,9 @@ def format_tables(summary: dict[str, Any], args: argparse.Namespace) -> str:
     lines += ["", "| model | p99 bound | sixfold / no batching | sixfold / MLServer (goal >= 3) "
               "| sixfold / offline (goal >= 0.7) | sixfold / ideal server | MLServer / offline "
               "| no batching / offline | baseline tree / ideal server | sixfold / baseline tree "
-              "| sixfold over shm / ideal server | sixfold over shm / over gRPC bytes |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| sixfold over shm / ideal server | sixfold over shm / over gRPC bytes "
+              "| FIFO server measured / ideal (simulated) | sixfold / FIFO measured | sixfold over shm / FIFO measured |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, s in summary.items():
         for b in bounds:
             r = s["ratios"][b]
@@ -879,7 +898,9 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f"(simcard), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
-        f"{args.mlserver_batch_time:g}` (adaptive batching; the runtime runs torch on 1 thread). Offline: the "
+        f"{args.mlserver_batch_time:g}` (adaptive batching; the runtime runs torch on 1 thread). FIFO measured: "
+        f"`bench/fifo_server.py` (the offline model on {os.cpu_count()} threads behind a bare grpc.aio server, "
+        f"one query at a time in arrival order). Offline: the "
         f"unpartitioned torch model in this process, `inference_mode`, {os.cpu_count()} threads, batches of "
         f"{', '.join(map(str, args.offline_batches))} items (median time per batch"
         + ("; measured before and after the servers, the better kept" if args.offline_again else "")
@@ -947,6 +968,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="measured seconds of each closed loop (default 5; --quick 2)")
     p.add_argument("--skip-mlserver", action="store_true", help="leave MLServer out")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
+    p.add_argument("--skip-fifo", action="store_true",
+                   help="leave out the measured FIFO server (bench/fifo_server.py: the ideal's policy run here)")
     p.add_argument("--skip-shm", action="store_true",
                    help="leave out sixfold driven through system shared memory (loadgen --client shm)")
     p.add_argument("--ids-dtype", choices=("int64", "int32"), default="int64",
@@ -976,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
     args.idle_repeats = 3 if q else 5
     args.offline_again = not q
     if args.ids_dtype != "int64":
-        for name in THIS_TREE:
+        for name in TAKES_IDS_DTYPE:
             LABEL[name] += f", {args.ids_dtype.upper()} ids"
     args.check_sizes = (100, 270, 700)
     args.saturation = [c for c in (args.saturation if args.saturation is not None else ([8] if q else [4, 8, 16]))

@@ -1,0 +1,172 @@
+"""The ideal server's policy on the real machine: one query at a time, in arrival order, offline torch.
+
+``loadgen.ideal`` *simulates* the ideal FIFO server that ``bench/latency_bounded.py`` divides by:
+every query at the offline model's best items/s, one after another, no overhead, on a machine that
+never hiccups. This file *runs* that policy for real, so the gap between the simulation and
+sixfold can be split into what the machine costs any server (transport, the client on the same
+cores, the VM's jitter, a 270-item query being slower per item than the best batch) and what
+sixfold's scheduling costs:
+
+- the zoo model, unpartitioned, in eager torch on all cores under ``torch.inference_mode()``: the
+  offline model of the latency bench, same weights (same seed), same answers;
+- a bare grpc.aio server (uvloop) with only the KServe v2 calls loadgen makes (ServerLive/Ready,
+  ModelReady, ModelMetadata, ModelInfer); ModelInfer's request is parsed by sixfold's own
+  deserializer (``server.infer_request.parse_model_infer``: raw tensors as views, no copy), so this
+  server pays no more to decode a 10 MB query than sixfold does;
+- one worker thread runs the queries: a ``ThreadPoolExecutor(max_workers=1)`` takes them in the
+  order they arrive, so each one runs alone and none overtakes another. No batching, no
+  validation beyond what torch itself refuses.
+
+    .venv/bin/python bench/fifo_server.py --model dlrm-mlperf --max-rows 50000 --port 0
+
+It prints ``READY grpc=HOST:PORT`` once it serves, and stops on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+from server.process import READY_PREFIX  # noqa: E402
+
+INPUTS = ("dense_features", "sparse_lengths", "sparse_indices")
+"""The zoo model's forward() arguments, in order."""
+DTYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}
+
+
+def _servicer(model_name: str, cfg: models.ModelConfig, forward: Any, executor: ThreadPoolExecutor) -> Any:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    metadata = pb.ModelMetadataResponse(name=model_name, versions=["1"], platform="pytorch_eager")
+    metadata.inputs.add(name="dense_features", datatype="FP32", shape=[-1, cfg.dense_dim])
+    metadata.inputs.add(name="sparse_lengths", datatype="INT32", shape=[-1, cfg.num_tables])
+    metadata.inputs.add(name="sparse_indices", datatype="INT64", shape=[-1])
+    metadata.outputs.add(name="scores", datatype="FP32", shape=[-1, 1])
+
+    class FifoServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        async def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+        async def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=True)
+
+        async def ModelReady(self, request, context):
+            return pb.ModelReadyResponse(ready=request.name == model_name)
+
+        async def ModelMetadata(self, request, context):
+            if request.name != model_name:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+            return metadata
+
+        async def ModelInfer(self, request, context):
+            if request.model_name != model_name:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_name!r}")
+            raw = request.raw_input_contents
+            if len(raw) != len(request.inputs):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send every input as raw_input_contents")
+            tensors = {}
+            for tensor, data in zip(request.inputs, raw):
+                dtype = DTYPES.get(tensor.datatype)
+                if dtype is None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"input '{tensor.name}': datatype {tensor.datatype} not served here")
+                tensors[tensor.name] = np.frombuffer(data, dtype).reshape(list(tensor.shape))
+            missing = [n for n in INPUTS if n not in tensors]
+            if missing:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"missing inputs {missing}")
+            try:
+                scores = await asyncio.get_running_loop().run_in_executor(executor, forward, tensors)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the model refused the query: {exc}")
+            response = pb.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
+            response.outputs.add(name="scores", datatype="FP32", shape=list(scores.shape))
+            response.raw_output_contents.append(scores.tobytes())
+            return response
+
+    return FifoServicer()
+
+
+def _forward(model: Any) -> Any:
+    """One query through the model, in the worker thread (inference mode is per thread)."""
+    import torch
+
+    def forward(tensors: dict[str, np.ndarray]) -> np.ndarray:
+        with torch.inference_mode():
+            # from_numpy over the message's read-only bytes: torch warns (silenced in main), the model only reads
+            return model(*[torch.from_numpy(tensors[n]) for n in INPUTS]).numpy()
+
+    return forward
+
+
+async def serve(model_name: str, max_rows: int | None, seed: int, host: str, port: int, threads: int) -> None:
+    import grpc
+    import torch
+    from tritonclient.grpc import service_pb2
+
+    from server.infer_request import parse_model_infer
+
+    torch.set_num_threads(threads)
+    cfg = models.get_config(model_name, max_rows=max_rows)
+    model = models.build(model_name, max_rows=max_rows, seed=seed).eval()
+    forward = _forward(model)
+    forward(models.RequestGenerator.for_config(cfg, seed=1).make(64))  # warm: first-call allocations
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fifo")
+    options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options)
+    servicer = _servicer(model_name, cfg, forward, executor)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfer, request_deserializer=parse_model_infer,
+            response_serializer=service_pb2.ModelInferResponse.SerializeToString)}),))
+    from tritonclient.grpc import service_pb2_grpc
+
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    print(f"{READY_PREFIX}{host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(0.5)
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    import uvloop
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="dlrm-mlperf", help="zoo model (default dlrm-mlperf)")
+    p.add_argument("--max-rows", type=int, default=50_000, help="rows per table at most (default 50000)")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed (default 0: the latency bench's offline model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free one, printed)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch intra-op threads (default: all cores, as the offline model)")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    uvloop.run(serve(args.model, args.max_rows, args.seed, args.host, args.port, args.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
