@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(replicate when the dense part fits a card, else pipeline)")
     p.add_argument("--stages", type=int, default=None, help="pipeline stage count for --strategy pipeline "
                    "(default: the count with the highest throughput bound)")
-    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16"],
+    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16", "int8"],
                    help="weights and compute of the dense (card) partition; its inputs/outputs stay fp32")
     p.add_argument("--accuracy-report", action="store_true",
                    help="score synthetic labelled items through fp32 and the chosen precisions; "

@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                         "'sixfold-partition calibrate'); prices the host stage in the printed plan")
     p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
                    help="embedding tables row-wise precision on the host (default fp32)")
-    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16"],
-                   help="precision of the dense partition on the cards (built-in models; default fp32)")
+    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16", "int8"],
+                   help="precision of the dense partition on the cards (built-in models; default fp32; "
+                        "int8: dynamic quantization, ONNX Runtime cards)")
     p.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"],
                    help="place embedding tables on the cards as table-, row- or column-wise shards "
                         "(built-in models; default: all tables on the host)")

@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="cap every table at R rows for the host memory check (default: full size)")
         plat.add_argument("--table-precision", action="append", default=None,
                           help="fp32, fp16, int8 or int4 (repeatable; default fp32)")
-        plat.add_argument("--dense-precision", action="append", default=None, help="fp32 or fp16 (repeatable)")
+        plat.add_argument("--dense-precision", action="append", default=None, help="fp32, fp16 or int8 (repeatable)")
         plat.add_argument("--per-request-us", type=float, default=None,
                           help="event-loop cost of one request (decode, validate, encode), us (default 60)")
         traffic = c.add_argument_group("traffic")

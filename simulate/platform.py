@@ -12,8 +12,8 @@ model (dlrm-mlperf: ~90 GiB of tables) could not be built here. The full-size ta
 still counted, from the model's config, against the host spec's memory.
 
 Precisions: ``table_precision`` prices each looked-up row at its packed size
-(``backends.host_embedding.bytes_per_row``); ``dense_precision`` "fp16" prices the dense
-partition at the card's fp16 peak with half its weight bytes (what
+(``backends.host_embedding.bytes_per_row``); ``dense_precision`` "fp16" ("int8") prices the dense
+partition at the card's fp16 (int8) peak with half (a quarter of) its weight bytes (what
 ``partitioner.precision.apply_dense_precision`` does to the plan).
 """
 
@@ -36,7 +36,7 @@ __all__ = ["StageModel", "MeasuredStage", "fit_stage", "Platform", "build_platfo
 
 PROBE_ROWS = 10_000
 """Rows per table of the model the plan and its costs are measured on."""
-DENSE_PRECISIONS = ("fp32", "fp16")
+DENSE_PRECISIONS = ("fp32", "fp16", "int8")
 
 
 @dataclass(eq=False)
@@ -175,9 +175,10 @@ def _table_precision(cost: PartitionCost, precision: str, dim: int, ids_per_item
 def _dense_precision(cost: PartitionCost, precision: str) -> PartitionCost:
     if precision == "fp32":
         return cost
-    half = cost.param_bytes // 2
-    ops = tuple(dataclasses.replace(op, bytes=(op.bytes[0] / 2, op.bytes[1] / 2)) for op in cost.ops)
-    return dataclasses.replace(cost, dtype="fp16", param_bytes=half, weight_bytes_per_batch=half,
+    shrink = {"fp16": 2, "int8": 4}[precision]  # bytes of an fp32 weight / one at this precision
+    weights = cost.param_bytes // shrink
+    ops = tuple(dataclasses.replace(op, bytes=(op.bytes[0] / shrink, op.bytes[1] / shrink)) for op in cost.ops)
+    return dataclasses.replace(cost, dtype=precision, param_bytes=weights, weight_bytes_per_batch=weights,
                                ops=ops)
 
 

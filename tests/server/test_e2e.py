@@ -304,3 +304,16 @@ def test_the_torch_backend_serves_the_dense_part_too(gen) -> None:
     request = gen.make(33)
     np.testing.assert_allclose(_serve_and_score(partitioned, "torch", request), _model_scores(model, request),
                                atol=ATOL, rtol=0)
+
+
+def test_an_int8_dense_partition_serves_close_to_the_fp32_model(gen) -> None:
+    """--dense-precision int8 (dynamic quantization) over gRPC on simulated cards: close to fp32, not equal."""
+    from partitioner.compile import partition_builtin
+    from partitioner.precision import apply_dense_precision
+
+    model, partitioned = partition_builtin("dlrm-mlperf", max_rows=MAX_ROWS, seed=3, cards=2)
+    apply_dense_precision(partitioned, "int8")
+    assert partitioned.plan.partition("dense").dtype == "int8"
+    request = models.RequestGenerator.for_config(model.config, seed=5).make(300)
+    diff = np.abs(_serve_and_score(partitioned, "simcard", request) - _model_scores(model, request))
+    assert 0 < float(diff.max()) < 0.05 and float(diff.mean()) < 5e-3, (diff.max(), diff.mean())

@@ -79,7 +79,10 @@ def test_precision_and_spec_change_the_platforms_prices() -> None:
                           table_precision="int8")
     fp16 = build_platform("dlrm-mlperf", cards=2, card_spec="m2-card", host_spec="host-cpu", max_rows=10_000,
                           dense_precision="fp16")
+    int8_dense = build_platform("dlrm-mlperf", cards=2, card_spec="m2-card", host_spec="host-cpu", max_rows=10_000,
+                                dense_precision="int8")
     l4 = build_platform("dlrm-mlperf", cards=2, card_spec="gpu-l4", host_spec="host-cpu", max_rows=10_000)
+    assert int8_dense.lanes[0][0].seconds(256) < fp16.lanes[0][0].seconds(256)  # the card's int8 peak
     assert int8.host.seconds(256) < base.host.seconds(256)
     assert int8.table_bytes < base.table_bytes / 3
     assert fp16.lanes[0][0].seconds(256) < base.lanes[0][0].seconds(256)
