@@ -16,6 +16,9 @@ sixfold's scheduling costs:
 - one worker thread runs the queries: a ``ThreadPoolExecutor(max_workers=1)`` takes them in the
   order they arrive, so each one runs alone and none overtakes another. No batching, no
   validation beyond what torch itself refuses.
+- ``--dense-precision int8``: the MLPs' ``nn.Linear`` layers dynamically quantized
+  (``torch.ao.quantization.quantize_dynamic``: int8 weights, inputs quantized per batch), the
+  policy's counterpart of ``sixfold-serve --dense-precision int8``.
 
     .venv/bin/python bench/fifo_server.py --model dlrm-mlperf --max-rows 50000 --port 0
 
@@ -113,7 +116,18 @@ def _forward(model: Any) -> Any:
     return forward
 
 
-async def serve(model_name: str, max_rows: int | None, seed: int, host: str, port: int, threads: int) -> None:
+def build_model(model_name: str, max_rows: int | None, seed: int, dense_precision: str = "fp32") -> Any:
+    """The zoo model as the offline bench builds it, its Linear layers int8 when asked."""
+    import torch
+
+    model = models.build(model_name, max_rows=max_rows, seed=seed).eval()
+    if dense_precision == "int8":
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return model
+
+
+async def serve(model_name: str, max_rows: int | None, seed: int, host: str, port: int, threads: int,
+                dense_precision: str = "fp32") -> None:
     import grpc
     import torch
     from tritonclient.grpc import service_pb2
@@ -122,8 +136,7 @@ async def serve(model_name: str, max_rows: int | None, seed: int, host: str, por
 
     torch.set_num_threads(threads)
     cfg = models.get_config(model_name, max_rows=max_rows)
-    model = models.build(model_name, max_rows=max_rows, seed=seed).eval()
-    forward = _forward(model)
+    forward = _forward(build_model(model_name, max_rows, seed, dense_precision))
     forward(models.RequestGenerator.for_config(cfg, seed=1).make(64))  # warm: first-call allocations
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fifo")
     options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
@@ -162,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free one, printed)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch intra-op threads (default: all cores, as the offline model)")
+    p.add_argument("--dense-precision", choices=("fp32", "int8"), default="fp32",
+                   help="the MLPs' precision (default fp32; int8: torch dynamic quantization of every Linear)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    uvloop.run(serve(args.model, args.max_rows, args.seed, args.host, args.port, args.threads))
+    uvloop.run(serve(args.model, args.max_rows, args.seed, args.host, args.port, args.threads,
+                     args.dense_precision))
     return 0
 
 

@@ -352,8 +352,9 @@ def _scores(answer: Any) -> np.ndarray:
 
 
 async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray]], expected: list[np.ndarray],
-                        order: tuple[str, ...], ids_dtype: str = "int64") -> dict[str, Any]:
-    """Send ``queries`` at once (so a batching server batches them); compare scores with ``expected``."""
+                        order: tuple[str, ...], ids_dtype: str = "int64", tolerance: float = 1e-3) -> dict[str, Any]:
+    """Send ``queries`` at once (so a batching server batches them); compare scores with ``expected``
+    (ok: every score within ``tolerance``)."""
     import grpc
     from tritonclient.grpc import service_pb2
 
@@ -373,7 +374,7 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
             errors.append(f"{got.size} scores for {want.size} items")
             continue
         worst = max(worst, float(np.max(np.abs(got - want.reshape(-1)))))
-    return {"ok": not errors and worst <= 1e-3, "max_abs_diff": worst, "errors": errors[:3]}
+    return {"ok": not errors and worst <= tolerance, "max_abs_diff": worst, "errors": errors[:3]}
 
 
 async def idle_latency(url: str, model: str, gen: models.RequestGenerator, order: tuple[str, ...],
@@ -474,15 +475,15 @@ def measure_offline(name: str, cfg: models.ModelConfig, max_rows: int, batches: 
 # One model, one run
 
 
-def fifo_server(model: str, max_rows: int) -> ServerProc:
+def fifo_server(model: str, max_rows: int, extra: list[str] | None = None) -> ServerProc:
     argv = [sys.executable, str(ROOT / "bench" / "fifo_server.py"), "--model", model, "--max-rows", str(max_rows),
-            "--host", "127.0.0.1", "--port", "0"]
+            "--host", "127.0.0.1", "--port", "0", *(extra or [])]
     return ServerProc("fifo", argv, ready_line="READY grpc=")
 
 
 def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
     if name == "fifo":
-        return fifo_server(model, args.max_rows)
+        return fifo_server(model, args.max_rows, args.fifo_arg)
     if name == "mlserver":
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
     if name == "sixfold-before":
@@ -508,9 +509,10 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         order = WIRE_ORDER[name]
         entry: dict[str, Any] = {"wire_order": list(order),
                                  "answers": asyncio.run(check_answers(url, model, queries, expected, order,
-                                                                      _ids(args, name)))}
+                                                                      _ids(args, name), args.answer_tolerance))}
         if order != USUAL_ORDER:
-            entry["answers_usual_order"] = asyncio.run(check_answers(url, model, queries, expected, USUAL_ORDER))
+            entry["answers_usual_order"] = asyncio.run(check_answers(url, model, queries, expected, USUAL_ORDER,
+                                                                     tolerance=args.answer_tolerance))
         log(f"{tag}: answers {entry['answers']}")
         gen = models.RequestGenerator.for_config(cfg, seed=13)
         entry["idle_ms"], entry["idle_ms_min"] = asyncio.run(idle_latency(
@@ -899,7 +901,8 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
         f"{args.mlserver_batch_time:g}` (adaptive batching; the runtime runs torch on 1 thread). FIFO measured: "
-        f"`bench/fifo_server.py` (the offline model on {os.cpu_count()} threads behind a bare grpc.aio server, "
+        f"`bench/fifo_server.py{''.join(' ' + a for a in args.fifo_arg)}` (the offline model on {os.cpu_count()} "
+        f"threads behind a bare grpc.aio server, "
         f"one query at a time in arrival order). Offline: the "
         f"unpartitioned torch model in this process, `inference_mode`, {os.cpu_count()} threads, batches of "
         f"{', '.join(map(str, args.offline_batches))} items (median time per batch"
@@ -915,6 +918,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f"† the passing step held fewer than {FEW_QUERIES} queries: its p99 is about its maximum, and with 5% of "
         f"the mix at {LARGEST_QUERY} items it may hold none of the largest, so it counts as \"at most\" this "
         "rate (ratios then show ≤ / ≥). "
+        f"Answers match when every score is within {args.answer_tolerance:g} of the offline model's. "
         "Cells: max q/s (p50 / p99 ms of the best passing step; its measured queries; search steps run).",
         "",
         f"Goals at p99 <= {first:g} ms: sixfold / MLServer >= 3: {_goal(summary, first, 'sixfold/mlserver', 3.0)}. "
@@ -968,6 +972,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="measured seconds of each closed loop (default 5; --quick 2)")
     p.add_argument("--skip-mlserver", action="store_true", help="leave MLServer out")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
+    p.add_argument("--fifo-arg", action="append", default=[], metavar="ARG",
+                   help="one more bench/fifo_server.py argument, e.g. --fifo-arg=--dense-precision --fifo-arg=int8 "
+                        "beside --serve-arg=--dense-precision --serve-arg=int8 (repeatable)")
+    p.add_argument("--answer-tolerance", type=float, default=1e-3,
+                   help="largest |score - offline score| a server's answers may show (default 1e-3; raise it "
+                        "with a reduced precision, e.g. 5e-3 with --serve-arg=--dense-precision --serve-arg=int8)")
     p.add_argument("--skip-fifo", action="store_true",
                    help="leave out the measured FIFO server (bench/fifo_server.py: the ideal's policy run here)")
     p.add_argument("--skip-shm", action="store_true",

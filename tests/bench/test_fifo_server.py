@@ -76,3 +76,21 @@ def test_refuses_an_unknown_model_and_a_missing_input_by_name(fifo_url: str) -> 
         assert client.infer(MODEL, _inputs(query)).as_numpy("scores").shape == (2, 1)
     finally:
         client.close()
+
+
+def test_int8_quantizes_the_linear_layers_and_stays_close() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fifo_server", ROOT / "bench" / "fifo_server.py")
+    fifo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fifo)
+    cfg = models.get_config("dlrm-mlperf", max_rows=ROWS)
+    fp32, int8 = (fifo.build_model("dlrm-mlperf", ROWS, 0, p) for p in ("fp32", "int8"))
+    assert any(type(m) is torch.nn.Linear for m in fp32.modules())
+    assert not any(type(m) is torch.nn.Linear for m in int8.modules())  # every one quantized
+    query = models.RequestGenerator.for_config(cfg, seed=4).make(200)
+    with torch.inference_mode():
+        a, b = (m(*[torch.from_numpy(query[n]) for n in ("dense_features", "sparse_lengths", "sparse_indices")])
+                for m in (fp32, int8))
+    diff = (a - b).abs()
+    assert 0 < float(diff.max()) < 0.05 and float(diff.mean()) < 5e-3
