@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BENCHMARKS", "command", "machine_line", "publish", "write_section"]
+__all__ = ["BENCHMARKS", "command", "machine_line", "publish", "serve_until_signalled", "write_section"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "BENCHMARKS.md"
@@ -62,3 +65,18 @@ def publish(section: str, text: str, *, write: bool, path: Path = BENCHMARKS) ->
     if write:
         write_section(section, text, path)
         print(f"wrote the {section} section of {path.name}", file=sys.stderr)
+
+
+async def serve_until_signalled(server: Any, address: str) -> None:
+    """Start a bench's grpc.aio ``server``, print sixfold-serve's READY line for ``address`` (what
+    ``server.process.ReadyProcess`` waits for), and serve until SIGINT or SIGTERM."""
+    from server.process import READY_PREFIX
+
+    await server.start()
+    print(f"{READY_PREFIX}{address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(0.5)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +42,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 import models  # noqa: E402
-from server.process import READY_PREFIX  # noqa: E402
+from bench._common import serve_until_signalled  # noqa: E402
 
 INPUTS = ("dense_features", "sparse_lengths", "sparse_indices")
 """The zoo model's forward() arguments, in order."""
@@ -151,14 +150,7 @@ async def serve(model_name: str, max_rows: int | None, seed: int, host: str, por
 
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    print(f"{READY_PREFIX}{host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0.5)
+    await serve_until_signalled(server, f"{host}:{bound}")
     executor.shutdown(wait=True, cancel_futures=True)
 
 

@@ -45,7 +45,6 @@ import os
 import platform
 import re
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import publish  # noqa: E402
-from server.process import READY_PREFIX, ReadyProcess  # noqa: E402
+from bench._common import publish, serve_until_signalled  # noqa: E402
+from server.process import ReadyProcess  # noqa: E402
 
 SECTION = "serving-overhead"
 COMMAND = ".venv/bin/python bench/serving_overhead.py"
@@ -146,8 +145,6 @@ def _model_protos(url: str, model: str):
 
 
 async def _serve_echo(host: str, port: int, metadata, config, stats_socket: str | None = None) -> None:
-    import asyncio
-
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
@@ -158,14 +155,7 @@ async def _serve_echo(host: str, port: int, metadata, config, stats_socket: str 
     bound = server.add_insecure_port(f"{host}:{port}")  # grpc's default SO_REUSEPORT: several echo processes share it
     if stats_socket:  # the driver counts each process's requests here, whichever of them a channel reached
         server.add_insecure_port(f"unix:{stats_socket}")
-    await server.start()
-    print(f"{READY_PREFIX}{host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0.5)
+    await serve_until_signalled(server, f"{host}:{bound}")
 
 
 def echo_main(host: str, port: int, model_from: str, model: str, stats_socket: str | None = None) -> int:

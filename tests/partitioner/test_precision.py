@@ -43,23 +43,33 @@ def _dense_feed(model, partitioned, rows=128, seed=3):
     return {**request, **host.run(request)}
 
 
+def _assert_fp32_io(graph) -> None:
+    assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.FLOAT] * 2
+    assert [o.type.tensor_type.elem_type for o in graph.output] == [onnx.TensorProto.FLOAT]
+
+
+def _scores(model, fp32, converted):
+    """(feed, fp32 scores, ``converted`` partition's scores) on ONNX Runtime, one 256-item feed."""
+    card = converted.plan.device("card0").spec
+    ort = registry.get_backend("onnxruntime")
+    feed = _dense_feed(model, fp32, rows=256)
+    want = ort.load(fp32.artifacts[DENSE_PARTITION], card).run(feed)[SCORES]
+    got = ort.load(converted.artifacts[DENSE_PARTITION], card).run(feed)[SCORES]
+    assert got.dtype == np.float32 and got.shape == want.shape
+    return feed, want, got
+
+
 def test_fp16_dense_runs_on_onnxruntime_with_fp32_io_and_stays_close(rm2):
     model, fp32 = rm2
     fp16 = _fresh(fp32)
     apply_dense_precision(fp16, "fp16")
     art = fp16.artifacts[DENSE_PARTITION]
     graph = onnx.load_from_string(art.payload).graph
-    assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.FLOAT] * 2
-    assert [o.type.tensor_type.elem_type for o in graph.output] == [onnx.TensorProto.FLOAT]
+    _assert_fp32_io(graph)
     weights = [i for i in graph.initializer if i.dims and np.prod(i.dims) > 1000]
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
 
-    card = fp16.plan.device("card0").spec
-    ort = registry.get_backend("onnxruntime")
-    feed = _dense_feed(model, fp32, rows=256)
-    want = ort.load(fp32.artifacts[DENSE_PARTITION], card).run(feed)[SCORES]
-    got = ort.load(art, card).run(feed)[SCORES]
-    assert got.dtype == np.float32 and got.shape == want.shape
+    feed, want, got = _scores(model, fp32, fp16)
     diff = float(np.abs(got - want).max())
     assert 0 < diff < 1e-2, diff  # not bit-identical (it really is fp16), but close
 
@@ -194,19 +204,13 @@ def test_int8_dense_quantizes_the_weights_keeps_fp32_io_and_stays_close(rm2):
     assert apply_dense_precision(int8, "int8") == [DENSE_PARTITION]
     art = int8.artifacts[DENSE_PARTITION]
     graph = onnx.load_from_string(art.payload).graph
-    assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.FLOAT] * 2
-    assert [o.type.tensor_type.elem_type for o in graph.output] == [onnx.TensorProto.FLOAT]
+    _assert_fp32_io(graph)
     ops = {n.op_type for n in graph.node}
     assert "DynamicQuantizeLinear" in ops and ops & {"MatMulInteger", "ConvInteger"}, ops
     big = [i for i in graph.initializer if i.dims and np.prod(i.dims) > 1000]
     assert big and all(i.data_type == onnx.TensorProto.INT8 for i in big)
 
-    card = int8.plan.device("card0").spec
-    ort = registry.get_backend("onnxruntime")
-    feed = _dense_feed(model, fp32, rows=256)
-    want = ort.load(fp32.artifacts[DENSE_PARTITION], card).run(feed)[SCORES]
-    got = ort.load(art, card).run(feed)[SCORES]
-    assert got.dtype == np.float32 and got.shape == want.shape
+    _, want, got = _scores(model, fp32, int8)
     diff = np.abs(got - want)
     # really int8 (not bit-identical) and close: at 400 rows a table's random weights are coarse to quantize
     # (at 50k rows: max 3e-3, normalized entropy within 0.02%, `sixfold-partition --accuracy-report`)
