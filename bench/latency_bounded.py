@@ -65,6 +65,9 @@ the *last* input's first dimension (``mlserver/batching/requests.py``
     .venv/bin/python bench/latency_bounded.py                  # ~6-8 min on 2 cores; writes BENCHMARKS.md
     .venv/bin/python bench/latency_bounded.py --quick --no-write   # smoke run, ~1 min, dlrm-mlperf only
     .venv/bin/python bench/latency_bounded.py --models rm2 --skip-mlserver --runs 3 --p99-ms 60
+    .venv/bin/python bench/latency_bounded.py --models dlrm-mlperf --skip-mlserver --skip-shm --runs 3 --p99-ms 60 \
+        --serve-arg=--dense-precision --serve-arg=int8 --fifo-arg=--dense-precision --fifo-arg=int8 \
+        --answer-tolerance 5e-3                                     # both sides at int8
 
 ``make mlserver-venv`` builds ``.venv-mlserver`` (mlserver 1.7 + torch CPU) once; without it the
 MLServer rows say why they are missing and the rest is reported. With ``--runs N`` the servers run
