@@ -43,22 +43,21 @@ import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from bench._common import serve_until_signalled  # noqa: E402
-
-INPUTS = ("dense_features", "sparse_lengths", "sparse_indices")
-"""The zoo model's forward() arguments, in order."""
-DTYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64}
+from models.signature import SCORES, Signature, signature_for  # noqa: E402
+from server.codec import DTYPES  # noqa: E402
 
 
-def _servicer(model_name: str, cfg: models.ModelConfig, forward: Any, executor: ThreadPoolExecutor) -> Any:
+def _servicer(model_name: str, signature: Signature, forward: Any, executor: ThreadPoolExecutor) -> Any:
     import grpc
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc
 
+    inputs = [spec.name for spec in signature.inputs]  # the zoo model's forward() arguments, in order
     metadata = pb.ModelMetadataResponse(name=model_name, versions=["1"], platform="pytorch_eager")
-    metadata.inputs.add(name="dense_features", datatype="FP32", shape=[-1, cfg.dense_dim])
-    metadata.inputs.add(name="sparse_lengths", datatype="INT32", shape=[-1, cfg.num_tables])
-    metadata.inputs.add(name="sparse_indices", datatype="INT64", shape=[-1])
-    metadata.outputs.add(name="scores", datatype="FP32", shape=[-1, 1])
+    for spec in signature.inputs:
+        metadata.inputs.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
+    for spec in signature.outputs:
+        metadata.outputs.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
 
     class FifoServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def ServerLive(self, request, context):
@@ -88,15 +87,16 @@ def _servicer(model_name: str, cfg: models.ModelConfig, forward: Any, executor: 
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"input '{tensor.name}': datatype {tensor.datatype} not served here")
                 tensors[tensor.name] = np.frombuffer(data, dtype).reshape(list(tensor.shape))
-            missing = [n for n in INPUTS if n not in tensors]
+            missing = [n for n in inputs if n not in tensors]
             if missing:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"missing inputs {missing}")
             try:
-                scores = await asyncio.get_running_loop().run_in_executor(executor, forward, tensors)
+                scores = await asyncio.get_running_loop().run_in_executor(
+                    executor, forward, [tensors[n] for n in inputs])
             except (RuntimeError, ValueError, IndexError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the model refused the query: {exc}")
             response = pb.ModelInferResponse(model_name=model_name, model_version="1", id=request.id)
-            response.outputs.add(name="scores", datatype="FP32", shape=list(scores.shape))
+            response.outputs.add(name=SCORES, datatype="FP32", shape=list(scores.shape))
             response.raw_output_contents.append(scores.tobytes())
             return response
 
@@ -107,10 +107,10 @@ def _forward(model: Any) -> Any:
     """One query through the model, in the worker thread (inference mode is per thread)."""
     import torch
 
-    def forward(tensors: dict[str, np.ndarray]) -> np.ndarray:
+    def forward(tensors: list[np.ndarray]) -> np.ndarray:
         with torch.inference_mode():
             # from_numpy over the message's read-only bytes: torch warns (silenced in main), the model only reads
-            return model(*[torch.from_numpy(tensors[n]) for n in INPUTS]).numpy()
+            return model(*[torch.from_numpy(t) for t in tensors]).numpy()
 
     return forward
 
@@ -129,25 +129,25 @@ async def serve(model_name: str, max_rows: int | None, seed: int, host: str, por
                 dense_precision: str = "fp32") -> None:
     import grpc
     import torch
-    from tritonclient.grpc import service_pb2
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     from server.infer_request import parse_model_infer
 
     torch.set_num_threads(threads)
     cfg = models.get_config(model_name, max_rows=max_rows)
     forward = _forward(build_model(model_name, max_rows, seed, dense_precision))
-    forward(models.RequestGenerator.for_config(cfg, seed=1).make(64))  # warm: first-call allocations
+    signature = signature_for(cfg.dense_dim, cfg.num_tables)
+    warm = models.RequestGenerator.for_config(cfg, seed=1).make(64)
+    forward([warm[spec.name] for spec in signature.inputs])  # first-call allocations
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fifo")
     options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
                ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=options)
-    servicer = _servicer(model_name, cfg, forward, executor)
+    servicer = _servicer(model_name, signature, forward, executor)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
         "ModelInfer": grpc.unary_unary_rpc_method_handler(
             servicer.ModelInfer, request_deserializer=parse_model_infer,
             response_serializer=service_pb2.ModelInferResponse.SerializeToString)}),))
-    from tritonclient.grpc import service_pb2_grpc
-
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await serve_until_signalled(server, f"{host}:{bound}")

@@ -106,6 +106,7 @@ from bench._common import command, machine_line, write_section  # noqa: E402
 from bench._thread_cpu import cpu_by_group, group_pids, thread_cpu  # noqa: E402
 from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
 from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client, wire_tensors  # noqa: E402
+from loadgen.config import IDS_DTYPES  # noqa: E402
 from loadgen.ideal import ideal_max_qps  # noqa: E402
 from models.requests import MLPERF_QUANTILES, MLPerfQuerySizes  # noqa: E402
 
@@ -985,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out the measured FIFO server (bench/fifo_server.py: the ideal's policy run here)")
     p.add_argument("--skip-shm", action="store_true",
                    help="leave out sixfold driven through system shared memory (loadgen --client shm)")
-    p.add_argument("--ids-dtype", choices=("int64", "int32"), default="int64",
+    p.add_argument("--ids-dtype", choices=IDS_DTYPES, default="int64",
                    help="sparse_indices as this tree's sixfold servers get them (default int64; int32: half the "
                         "bytes); --baseline-tree's server and MLServer always get int64")
     p.add_argument("--baseline-tree", metavar="DIR",

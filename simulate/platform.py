@@ -29,6 +29,7 @@ from backends.spec import DeviceSpec, load_spec
 from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
 from partitioner.cost import PartitionCost, stage_seconds
 from partitioner.plan import PartitionPlan
+from partitioner.precision import DENSE_PRECISIONS
 from partitioner.strategy import ACTIVATION_HEADROOM
 from server.admission import PER_REQUEST_S
 
@@ -36,7 +37,6 @@ __all__ = ["StageModel", "MeasuredStage", "fit_stage", "Platform", "build_platfo
 
 PROBE_ROWS = 10_000
 """Rows per table of the model the plan and its costs are measured on."""
-DENSE_PRECISIONS = ("fp32", "fp16", "int8")
 
 
 @dataclass(eq=False)
