@@ -11,7 +11,7 @@ CARDS  ?= 6
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first: any other torch spec pulls gigabytes of CUDA packages.

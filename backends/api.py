@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .os_threads import os_thread_name, start_worker_thread
-from .spec import DeviceSpec
+from sixfold.backends.os_threads import os_thread_name, start_worker_thread
+from sixfold.backends.spec import DeviceSpec
 
 __all__ = ["PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit", "Arrays"]
 
@@ -70,7 +70,7 @@ class Executable(ABC):
         self.device = device
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.worker_nice = 0
-        """How much lower than the server's threads the worker thread runs (``backends.os_threads``):
+        """How much lower than the server's threads the worker thread runs (``sixfold.backends.os_threads``):
         0 for a card that computes on its own silicon; a simulated card sets it, see ``simcard``."""
 
     @property

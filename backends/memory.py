@@ -6,8 +6,8 @@ m2-card has 16.0 GiB free"), so an operator can act on the message alone.
 
 from __future__ import annotations
 
-from .api import DoesNotFit, PartitionArtifact
-from .spec import DeviceSpec
+from sixfold.backends.api import DoesNotFit, PartitionArtifact
+from sixfold.backends.spec import DeviceSpec
 
 __all__ = ["format_bytes", "check_fits"]
 

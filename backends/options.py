@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .api import BackendError
+from sixfold.backends.api import BackendError
 
 __all__ = ["reject_unknown", "int_option", "bool_option", "parse_option", "load_options_file"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Literal
 
-from .api import Backend, BackendError
+from sixfold.backends.api import Backend, BackendError
 
 __all__ = [
     "ENTRY_POINT_GROUP", "BACKENDS_ENV", "Status", "BackendInfo", "BackendNotFound",
@@ -91,7 +91,7 @@ def _inspect(ep: EntryPoint) -> BackendInfo:
         log.exception("backend plugin %s (%s) failed to load", ep.name, ep.value)
         return BackendInfo(ep.name, ep.value, None, "failed", f"import failed: {type(exc).__name__}: {exc}")
     if not (isinstance(obj, type) and issubclass(obj, Backend)):
-        reason = f"{ep.value} is {obj!r}, not a subclass of backends.api.Backend"
+        reason = f"{ep.value} is {obj!r}, not a subclass of sixfold.backends.api.Backend"
         log.error("backend plugin %s skipped: %s", ep.name, reason)
         return BackendInfo(ep.name, ep.value, None, "failed", reason)
     if getattr(obj, "name", ep.name) != ep.name:

@@ -7,13 +7,12 @@ files in ``backends/specs/``; a path to a JSON file works wherever a name does.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DeviceSpec", "load_spec", "spec_names", "SPEC_DIR"]
+__all__ = ["DeviceSpec", "spec_names", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "specs"
 
@@ -40,9 +39,9 @@ class DeviceSpec:
     description: str = field(default="", compare=False)
     power_watts: float = 0.0
     """Typical board power (TDP), watts; 0: not known. Capacity planning (``sixfold-simulate``) sums it."""
-    # Calibrated, op-level figures (``backends.calibrate`` measures them). All optional: a spec
+    # Calibrated, op-level figures (``sixfold.backends.host.calibrate`` measures them). All optional: a spec
     # without them is priced by the roofline above; with any of them, a partition that carries
-    # an op profile is priced op by op (``partitioner.cost.stage_seconds``).
+    # an op profile is priced op by op (``sixfold.partitioner.pricing.cost.stage_seconds``).
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     """(FLOPs of one matrix product, fraction of peak reached), rising FLOPs; interpolated in log
     space, clamped at the ends. A batched matmul of 256 products of 33x64x33 is keyed by one
@@ -150,27 +149,5 @@ class DeviceSpec:
 
 
 def spec_names() -> list[str]:
-    """Names of the specs shipped in ``backends/specs/`` (``backends.spec_catalog`` lists every source)."""
+    """Names of the specs shipped in ``backends/specs/`` (``sixfold.backends.spec_catalog`` lists every source)."""
     return sorted(p.stem for p in SPEC_DIR.glob("*.json"))
-
-
-def load_spec(name_or_path: str | Path) -> DeviceSpec:
-    """A named spec (``m2-card``, or one a vendor package ships), any JSON file by path, or ``auto``:
-    this host, calibrated on first use and cached per machine (``backends.calibrate.auto_host_spec``).
-
-    A value ending in ``.json``, holding a path separator, or naming an
-    existing file is a path; anything else is a name, looked up in
-    ``backends.spec_catalog`` (sixfold's files, the ``sixfold.device_specs``
-    entry points, the registered backends' ``devices()``).
-    """
-    text = str(name_or_path)
-    if text == "auto":  # this machine, calibrated once and cached (backends.calibrate.auto_host_spec)
-        from .calibrate import auto_host_spec
-        return auto_host_spec()
-    path = Path(name_or_path)
-    if not (text.endswith(".json") or "/" in text or "\\" in text or path.is_file()):
-        from .spec_catalog import resolve_spec  # NOTE: lazy: the catalog imports the backend registry
-        return resolve_spec(text)
-    if not path.is_file():
-        raise FileNotFoundError(f"no device spec file {text!r}")
-    return DeviceSpec.from_dict(json.loads(path.read_text()))

@@ -19,7 +19,7 @@ returns it from ``devices()``, are one spec). An unknown name is refused with
 every known name and where it came from. A source that fails (an import
 error, a bad JSON file, ``devices()`` raising) is logged, kept as a problem
 (``problems()``, shown by ``describe_specs``) and skipped: it never stops the
-server, as with backends (``backends.registry``).
+server, as with backends (``sixfold.backends.registry``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
-from .spec import SPEC_DIR, DeviceSpec
+from sixfold.backends.host.calibrate import auto_host_spec
+from sixfold.backends.registry import discover
+from sixfold.backends.spec import SPEC_DIR, DeviceSpec
 
 __all__ = ["SPECS_GROUP", "SpecEntry", "SpecConflict", "UnknownSpec", "catalog", "catalog_from", "problems",
-           "resolve_spec", "describe_specs"]
+           "resolve_spec", "load_spec", "describe_specs"]
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +113,6 @@ def _from_entry_points(eps: Iterable[EntryPoint], issues: list[str]) -> list[tup
 
 
 def _from_backends(issues: list[str]) -> list[tuple[str, DeviceSpec]]:
-    from .registry import discover  # NOTE: lazy: the registry imports api, which imports spec
-
     out = []
     for info in discover().values():
         if not info.usable or info.cls is None:
@@ -201,3 +201,23 @@ def describe_specs() -> str:
             lines.append(f"    CONFLICT: also given, differently, by {source}")
     lines += [f"  failed: {issue}" for issue in problems()]
     return "\n".join(lines)
+
+
+def load_spec(name_or_path: str | Path) -> DeviceSpec:
+    """A named spec (``m2-card``, or one a vendor package ships), any JSON file by path, or ``auto``:
+    this host, calibrated on first use and cached per machine (``sixfold.backends.host.calibrate.auto_host_spec``).
+
+    A value ending in ``.json``, holding a path separator, or naming an
+    existing file is a path; anything else is a name, looked up in
+    ``sixfold.backends.spec_catalog`` (sixfold's files, the ``sixfold.device_specs``
+    entry points, the registered backends' ``devices()``).
+    """
+    text = str(name_or_path)
+    if text == "auto":  # this machine, calibrated once and cached (sixfold.backends.host.calibrate.auto_host_spec)
+        return auto_host_spec()
+    path = Path(name_or_path)
+    if not (text.endswith(".json") or "/" in text or "\\" in text or path.is_file()):
+        return resolve_spec(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"no device spec file {text!r}")
+    return DeviceSpec.from_dict(json.loads(path.read_text()))

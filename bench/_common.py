@@ -16,9 +16,9 @@ __all__ = ["BENCHMARKS", "command", "machine_line", "publish", "serve_until_sign
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 # NOTE: pyproject's [project.scripts] (tests/bench/test_common.py keeps the two equal)
-_ENTRY_POINTS = {"sixfold-serve": "server.cli", "sixfold-partition": "partitioner.cli",
-                 "sixfold-loadgen": "loadgen.cli", "sixfold-simulate": "simulate.cli",
-                 "sixfold-delta": "server.delta_cli"}
+_ENTRY_POINTS = {"sixfold-serve": "sixfold.server.cli", "sixfold-partition": "sixfold.partitioner.cli",
+                 "sixfold-loadgen": "sixfold.loadgen.cli", "sixfold-simulate": "sixfold.simulate.cli",
+                 "sixfold-delta": "sixfold.server.deltas.cli"}
 
 
 def command(script: str, bin_dir: Path | None = None) -> list[str]:
@@ -69,8 +69,8 @@ def publish(section: str, text: str, *, write: bool, path: Path = BENCHMARKS) ->
 
 async def serve_until_signalled(server: Any, address: str) -> None:
     """Start a bench's grpc.aio ``server``, print sixfold-serve's READY line for ``address`` (what
-    ``server.process.ReadyProcess`` waits for), and serve until SIGINT or SIGTERM."""
-    from server.process import READY_PREFIX
+    ``sixfold.server.workers.process.ReadyProcess`` waits for), and serve until SIGINT or SIGTERM."""
+    from sixfold.server.workers.process import READY_PREFIX
 
     await server.start()
     print(f"{READY_PREFIX}{address}", flush=True)

@@ -1,7 +1,7 @@
 """CPU seconds of a process group's threads, grouped by what they run (from /proc; Linux only).
 
 A sixfold server's worker threads carry ``PARTITION@DEVICE`` as their kernel name
-(``backends.os_threads``), so per-thread CPU reads as per stage: the cards' dense partitions,
+(``sixfold.backends.os_threads``), so per-thread CPU reads as per stage: the cards' dense partitions,
 the host stage, the host dense fallback, the event loop (the main thread) and the rest (gRPC's
 threads and thread pools). Other servers (MLServer) show as main threads and other threads.
 """

@@ -57,12 +57,12 @@ MODES: dict[str, dict[str, Any]] = {
 
 def _serve_child(model: str, cards: int, faults: dict | None, runtime: dict[str, Any], conn: Any) -> None:
     """In a child process: serve ``model`` on simcards; report the runtime's card-health counters at the end."""
-    from partitioner.compile import partition_builtin
-    from server.app import BackgroundServer, ServerConfig
-    from server.batcher import BatchingConfig
-    from server.core import InferenceCore
-    from server.loader import load_partitioned
-    from server.metrics import ServerMetrics
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.server.app import BackgroundServer, ServerConfig
+    from sixfold.server.scheduling.batcher import BatchingConfig
+    from sixfold.server.core import InferenceCore
+    from sixfold.server.loading.loader import load_partitioned
+    from sixfold.server.observability.metrics import ServerMetrics
 
     _, partitioned = partition_builtin(model, max_rows=2000, seed=3, cards=cards)
     metrics = ServerMetrics()
@@ -113,7 +113,7 @@ async def _drive(url: str, model: str, qps: float, duration: float, deadline: fl
     import tritonclient.grpc.aio as tca
     from tritonclient.utils import InferenceServerException
 
-    import models
+    from sixfold import models
 
     def triton_inputs(request: dict[str, np.ndarray]) -> list:
         inputs = []

@@ -13,7 +13,7 @@ and checks each CUDA path's outputs against its CPU path's (max abs diff, within
 Without CUDA (or without onnxruntime's CUDA provider) it says so and reports the CPU paths only.
 
 With ``--e2e`` (the default; ``--no-e2e`` skips it) it also serves each model in-process
-(``server.loader.load_partitioned``, one card, every batch on the card: no host dense fallback,
+(``sixfold.server.loading.loader.load_partitioned``, one card, every batch on the card: no host dense fallback,
 no batching window) with ``--backend torch`` on the gpu-l4 plan, ``--backend onnxruntime``
 (CPU) and ``--backend simcard`` (the simulated gpu-l4 of the same plan), and times real queries
 one at a time through ``ServedModel.infer`` (validation, batcher, host stage, card stage).
@@ -124,7 +124,7 @@ def _max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def _paths(env: dict[str, Any]) -> list[dict[str, Any]]:
     """The (backend, path) pairs to time, each with how to build its backend and device spec, or why it is absent."""
-    from backends.spec import load_spec
+    from sixfold.backends.spec_catalog import load_spec
 
     host, gpu = load_spec("host-cpu"), load_spec("gpu-l4")
     paths: list[dict[str, Any]] = [
@@ -141,11 +141,11 @@ def _paths(env: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def bench_model(name: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
-    import models
-    from backends import registry
-    from backends.spec import load_spec
-    from partitioner.compile import partition_builtin
-    from server.loader import load_host_stage
+    from sixfold import models
+    from sixfold.backends import registry
+    from sixfold.backends.spec_catalog import load_spec
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.server.loading.loader import load_host_stage
 
     t0 = time.perf_counter()
     _, partitioned = partition_builtin(name, max_rows=args.max_rows, seed=0, cards=1, card_spec="gpu-l4")
@@ -239,11 +239,11 @@ async def _e2e_one(served, queries: list[dict[str, np.ndarray]], warmup: int) ->
 
 def e2e_model(name: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     """Serve ``name`` in-process on each card backend and time queries through ServedModel.infer, one at a time."""
-    import models
-    from partitioner.compile import partition_builtin
-    from server.batcher import BatchingConfig
-    from server.loader import load_partitioned
-    from server.metrics import ServerMetrics
+    from sixfold import models
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.server.scheduling.batcher import BatchingConfig
+    from sixfold.server.loading.loader import load_partitioned
+    from sixfold.server.observability.metrics import ServerMetrics
 
     _, partitioned = partition_builtin(name, max_rows=args.max_rows, seed=0, cards=1, card_spec="gpu-l4")
     gen = models.RequestGenerator.for_config(models.get_config(name, max_rows=args.max_rows), seed=2)

@@ -1,14 +1,14 @@
 """Table deltas under load: a 1% row delta every 10 s against a full version swap.
 
 rm2 (32 tables x --max-rows rows x dim 64 fp32; 500k rows is its full size, 3.8 GiB) is written
-to a model repository (partitioner.table_build, streaming) and served by a real
+to a model repository (sixfold.partitioner.tables.build, streaming) and served by a real
 ``sixfold-serve`` process (explicit model control, 6 simcards, default batching). The bench
 process drives it open loop (loadgen: Poisson at --qps, MLPerf query sizes, Zipf ids) through
 three phases, one after another:
 
   none     --baseline s of load, no updates (the reference p99)
   deltas   --duration s of load; every --every s a delta of --share of each table's rows (random
-           rows, new random values, written with partitioner.deltas.write_delta as a trainer would)
+           rows, new random values, written with sixfold.partitioner.tables.deltas.write_delta as a trainer would)
            is applied through REST load (the folder's path on the server; sixfold.delta_path);
            time from the call to its answer (the rows are visible when it returns: the swap is
            done before the answer) and the host stage's hold, as the server reports them
@@ -46,13 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import command, machine_line, publish  # noqa: E402
-from loadgen import LoadConfig  # noqa: E402
-from loadgen.record import ERROR, OK  # noqa: E402
-from loadgen.runner import Target, drive, plan_run  # noqa: E402
-from loadgen.clock import MonotonicClock  # noqa: E402
-from partitioner import table_build  # noqa: E402
-from partitioner.deltas import version_fingerprint, write_delta  # noqa: E402
-from server.process import READY_PREFIX  # noqa: E402
+from sixfold.loadgen import LoadConfig  # noqa: E402
+from sixfold.loadgen.record import ERROR, OK  # noqa: E402
+from sixfold.loadgen.runner import Target, drive, plan_run  # noqa: E402
+from sixfold.loadgen.clock import MonotonicClock  # noqa: E402
+from sixfold.partitioner.tables import build as table_build  # noqa: E402
+from sixfold.partitioner.tables.deltas import version_fingerprint, write_delta  # noqa: E402
+from sixfold.server.workers.process import READY_PREFIX  # noqa: E402
 
 TOKEN = "bench"
 MODEL = "rm2"
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         # warm up: the memory-mapped tables fault in on first touch (untimed)
         _load(server, 2.0, args.warmup, 9, lambda start: None)
         if args.qps is None:  # half of the latency-bounded maximum, measured now on this machine
-            from loadgen import SweepConfig, find_max_qps_async
+            from sixfold.loadgen import SweepConfig, find_max_qps_async
             config = LoadConfig(url=f"127.0.0.1:{server.grpc}", model=MODEL, qps=2.0, duration_s=6.0,
                                 warmup_s=1.0, seed=7)
             sweep = SweepConfig(p99_ms=args.p99_ms, min_qps=2.0, floor_qps=0.5, step_duration_s=6.0,

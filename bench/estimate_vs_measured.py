@@ -3,9 +3,9 @@
 Steps (all in one process, one torch thread and one ONNX Runtime thread, like one card worker):
 
 1. partition each built-in model (tables capped at ``--max-rows``) onto 1 card and load the
-   partitions on the backends the server uses (``server.loader.load_host_stage``: the tables
+   partitions on the backends the server uses (``sixfold.server.loading.loader.load_host_stage``: the tables
    backend for the built-ins' host stage; onnxruntime for the dense ONNX);
-2. each round (``--rounds``), for each model: calibrate this host (``backends.calibrate.calibrate_host``,
+2. each round (``--rounds``), for each model: calibrate this host (``sixfold.backends.host.calibrate.calibrate_host``,
    what ``sixfold-partition calibrate`` writes; again per model, as this VM's speed drifts) and use
    that spec for the host and, with
    ``kind="card"``, for the card: the "card" here is ONNX Runtime on this same CPU, with no link
@@ -41,14 +41,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import registry  # noqa: E402
-from backends.calibrate import calibrate_host  # noqa: E402
-from backends.spec import DeviceSpec, load_spec  # noqa: E402
-from models import RequestGenerator  # noqa: E402
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin  # noqa: E402
+from sixfold.backends import registry  # noqa: E402
+from sixfold.backends.host.calibrate import calibrate_host  # noqa: E402
+from sixfold.backends.spec import DeviceSpec
+from sixfold.backends.spec_catalog import load_spec  # noqa: E402
+from sixfold.models import RequestGenerator  # noqa: E402
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION  # noqa: E402
 from bench._common import publish  # noqa: E402
-from server.allocator import keep_freed_memory  # noqa: E402
-from server.loader import load_host_stage  # noqa: E402
+from sixfold.server.memory.allocator import keep_freed_memory  # noqa: E402
+from sixfold.server.loading.loader import load_host_stage  # noqa: E402
 
 SECTION = "estimate-vs-measured"
 COMMAND = ".venv/bin/python bench/estimate_vs_measured.py"

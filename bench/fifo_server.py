@@ -1,6 +1,6 @@
 """The ideal server's policy on the real machine: one query at a time, in arrival order, offline torch.
 
-``loadgen.ideal`` *simulates* the ideal FIFO server that ``bench/latency_bounded.py`` divides by:
+``sixfold.loadgen.ideal`` *simulates* the ideal FIFO server that ``bench/latency_bounded.py`` divides by:
 every query at the offline model's best items/s, one after another, no overhead, on a machine that
 never hiccups. This file *runs* that policy for real, so the gap between the simulation and
 sixfold can be split into what the machine costs any server (transport, the client on the same
@@ -11,7 +11,7 @@ sixfold's scheduling costs:
   offline model of the latency bench, same weights (same seed), same answers;
 - a bare grpc.aio server (uvloop) with only the KServe v2 calls loadgen makes (ServerLive/Ready,
   ModelReady, ModelMetadata, ModelInfer); ModelInfer's request is parsed by sixfold's own
-  deserializer (``server.infer_request.parse_model_infer``: raw tensors as views, no copy), so this
+  deserializer (``sixfold.server.protocol.infer_request.parse_model_infer``: raw tensors as views, no copy), so this
   server pays no more to decode a 10 MB query than sixfold does;
 - one worker thread runs the queries: a ``ThreadPoolExecutor(max_workers=1)`` takes them in the
   order they arrive, so each one runs alone and none overtakes another. No batching, no
@@ -41,10 +41,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
+from sixfold import models  # noqa: E402
 from bench._common import serve_until_signalled  # noqa: E402
-from models.signature import SCORES, Signature, signature_for  # noqa: E402
-from server.codec import DTYPES  # noqa: E402
+from sixfold.models.signature import SCORES, Signature, signature_for  # noqa: E402
+from sixfold.server.protocol.codec import DTYPES  # noqa: E402
 
 
 def _servicer(model_name: str, signature: Signature, forward: Any, executor: ThreadPoolExecutor) -> Any:
@@ -131,7 +131,7 @@ async def serve(model_name: str, max_rows: int | None, seed: int, host: str, por
     import torch
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    from server.infer_request import parse_model_infer
+    from sixfold.server.protocol.infer_request import parse_model_infer
 
     torch.set_num_threads(threads)
     cfg = models.get_config(model_name, max_rows=max_rows)

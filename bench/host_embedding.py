@@ -7,7 +7,7 @@ Cases (row counts capped so the bench fits a small machine):
 Variants, timed side by side in one process (interleaved, order rotated every run):
   raw-kernel        F.embedding_bag on the fp32 stage's fused weight, rows/offsets precomputed (a floor:
                     it skips the index arithmetic and id checks, which the model does too)
-  model-tbe         the model's own torch module (models.dlrm.TableBatchedEmbedding) on the same weight:
+  model-tbe         the model's own torch module (sixfold.models.dlrm.TableBatchedEmbedding) on the same weight:
                     the same jagged request in, the same index arithmetic plus the kernel; what the
                     unpartitioned model runs, so "stage vs model" is the stage's own overhead
   fp32              HostEmbeddingStage, fused layout (the default)
@@ -39,8 +39,8 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.host_embedding import HostEmbeddingStage  # noqa: E402
-from models.dlrm import TableBatchedEmbedding  # noqa: E402
+from sixfold.backends.host.host_embedding import HostEmbeddingStage  # noqa: E402
+from sixfold.models.dlrm import TableBatchedEmbedding  # noqa: E402
 from bench._common import publish  # noqa: E402
 
 SECTION = "host-embedding"

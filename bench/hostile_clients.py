@@ -38,9 +38,9 @@ if str(ROOT) not in sys.path:
 import tritonclient.grpc.aio as tca  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-import models  # noqa: E402
+from sixfold import models  # noqa: E402
 from bench._common import command, machine_line, publish  # noqa: E402
-from server.process import ReadyProcess  # noqa: E402
+from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 from tests.conftest import triton_inputs  # noqa: E402
 
 MODEL, MAX_ROWS = "rm2", 50_000

@@ -16,7 +16,7 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
   sixfold-nobatch  the same with ``--max-batch-rows 1 --max-queue-delay-us 0``: every request is its
                    own batch (a query larger than 1 row runs alone, no window); host-dense fallback
                    at its default too, and up to cards + 1 batches in flight as in ``sixfold``
-  ideal            no server, simulated (``loadgen.ideal.ideal_max_qps``): every query at offline's
+  ideal            no server, simulated (``sixfold.loadgen.ideal.ideal_max_qps``): every query at offline's
                    best items/s, one after another in arrival order, no overhead. Queueing alone
                    keeps it below offline's q/s under a latency bound: it is the most any server can
                    reach here, and ``sixfold / ideal`` what sixfold leaves on the table
@@ -55,7 +55,7 @@ servers rank when 60 ms is out of reach on 2 cores.
 Input order on the wire: the same tensors go to every server, but not in the same order (a KServe
 v2 server takes inputs by name). sixfold gets loadgen's usual order (dense_features,
 sparse_lengths, sparse_indices): its runtime reads a batch's item count from the first input
-(``server/runtime.py`` ``PlanRuntime.run``), so ids first would miscount items. MLServer gets
+(``server/execution/runtime.py`` ``PlanRuntime.run``), so ids first would miscount items. MLServer gets
 sparse_indices, sparse_lengths, dense_features: its adaptive batching splits a batched reply by
 the *last* input's first dimension (``mlserver/batching/requests.py``
 ``BatchedRequests._merge_request_inputs`` overwrites ``_minibatch_sizes`` per input), which for
@@ -101,14 +101,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import models  # noqa: E402
+from sixfold import models  # noqa: E402
 from bench._common import command, machine_line, write_section  # noqa: E402
 from bench._thread_cpu import cpu_by_group, group_pids, thread_cpu  # noqa: E402
-from loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
-from loadgen.transport import DATATYPES, SharedMemoryTransport, make_client, wire_tensors  # noqa: E402
-from loadgen.config import IDS_DTYPES  # noqa: E402
-from loadgen.ideal import ideal_max_qps  # noqa: E402
-from models.requests import MLPERF_QUANTILES, MLPerfQuerySizes  # noqa: E402
+from sixfold.loadgen import LoadConfig, SweepConfig, find_max_qps_async, run_load_async, wait_until_ready  # noqa: E402
+from sixfold.loadgen.transport import DATATYPES, SharedMemoryTransport, make_client, wire_tensors  # noqa: E402
+from sixfold.loadgen.config import IDS_DTYPES  # noqa: E402
+from sixfold.loadgen.ideal import ideal_max_qps  # noqa: E402
+from sixfold.models.requests import MLPERF_QUANTILES, MLPerfQuerySizes  # noqa: E402
 
 SECTION = "latency-bounded"
 COMMAND = ".venv/bin/python bench/latency_bounded.py"
@@ -297,7 +297,7 @@ def mlserver_server(model: str, max_rows: int, batch_size: int, batch_time_s: fl
 @contextlib.contextmanager
 def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
     """loadgen's transports encode a query's inputs in this order (see the module docstring)."""
-    import loadgen.runner as runner
+    import sixfold.loadgen.runner as runner
 
     original = runner.make_transport
 
@@ -928,7 +928,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f"Goals at p99 <= {first:g} ms: sixfold / MLServer >= 3: {_goal(summary, first, 'sixfold/mlserver', 3.0)}. "
         f"sixfold / offline >= 0.7: {_goal(summary, first, 'sixfold/offline', 0.7)}.",
         "",
-        f"The ideal server (`loadgen.ideal.ideal_max_qps`, {IDEAL_QUERIES:,} simulated Poisson arrivals of the "
+        f"The ideal server (`sixfold.loadgen.ideal.ideal_max_qps`, {IDEAL_QUERIES:,} simulated Poisson arrivals of the "
         "same query mix) runs every query alone at offline's best items/s, back to back: no server on this "
         "machine does better with a FIFO queue. What it reaches at a bound, as a fraction of offline, is the "
         "most any server can: " + "; ".join(

@@ -61,9 +61,9 @@ def traced_serve(argv: list[str], out: str) -> int:
     tree = os.environ.get("SIXFOLD_BREAKDOWN_TREE")
     if tree:  # serve another tree's code (a before/after comparison)
         sys.path.insert(0, tree)
-    from server import model as model_mod
-    from server import servicer as servicer_mod
-    from server.cli import main
+    from sixfold.server.model import served as model_mod
+    from sixfold.server.transport import grpc_servicer as servicer_mod
+    from sixfold.server.cli import main
 
     records: list[tuple] = []
     orig_decode = servicer_mod.decode_inputs
@@ -79,7 +79,7 @@ def traced_serve(argv: list[str], out: str) -> int:
         current[id(inputs)] = {"t0": t0, "decoded": t1}
         return inputs
 
-    from server.batcher import DynamicBatcher
+    from sixfold.server.scheduling.batcher import DynamicBatcher
 
     orig_enqueue = DynamicBatcher.enqueue
 
@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-json", metavar="FILE", help="keep every request's raw stamps (all runs) here")
     args = p.parse_args(argv)
 
-    import models
+    from sixfold import models
     from bench.latency_bounded import _load_config
-    from loadgen import run_load_async
+    from sixfold.loadgen import run_load_async
 
     cfg = models.get_config(args.model, max_rows=args.max_rows)
     results = []

@@ -23,7 +23,7 @@ the gRPC/event-loop layer first: requests (~1.5 MB each) pile up before they
 reach the batcher, so refusals come late and RSS grows; that needs admission
 control in the transport, not in the batcher.
 
-``tests/server/test_overload.py`` runs the same phases for 8 s.
+``tests/server/scheduling/test_overload.py`` runs the same phases for 8 s.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from loadgen import LoadConfig, MonotonicClock, Target, drive, plan_run, summarize  # noqa: E402
-from loadgen.record import ERROR, OK  # noqa: E402
+from sixfold.loadgen import LoadConfig, MonotonicClock, Target, drive, plan_run, summarize  # noqa: E402
+from sixfold.loadgen.record import ERROR, OK  # noqa: E402
 
 __all__ = ["OverloadResult", "ServerProcess", "rss_mb", "run_overload"]
 
@@ -158,12 +158,12 @@ async def run_overload(url: str, model: str, *, factor: float = 3.0, duration_s:
 
 def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_options: dict[str, Any], conn: Any) -> None:
     """In a child process: serve ``model`` on simcards, send the URL up ``conn``, serve until told to stop."""
-    from partitioner.compile import partition_builtin
-    from server.app import BackgroundServer, ServerConfig
-    from server.batcher import BatchingConfig
-    from server.core import InferenceCore
-    from server.loader import load_partitioned
-    from server.metrics import ServerMetrics
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.server.app import BackgroundServer, ServerConfig
+    from sixfold.server.scheduling.batcher import BatchingConfig
+    from sixfold.server.core import InferenceCore
+    from sixfold.server.loading.loader import load_partitioned
+    from sixfold.server.observability.metrics import ServerMetrics
 
     _, partitioned = partition_builtin(model, max_rows=2000, seed=3, cards=cards)
     metrics = ServerMetrics()

@@ -1,7 +1,7 @@
 """Planning at scale: a synthetic DLRM with 1000 embedding tables planned onto 6 cards (goal: < 2 s).
 
 What is timed (each a median over ``--runs`` runs, phases in the order the partitioner runs them,
-each calling the very functions ``partitioner.compile.partition_model`` calls):
+each calling the very functions ``sixfold.partitioner.compile.partition_model`` calls):
 
 - ``export``: ``torch.export`` of the model (``frontend.export_model``);
 - ``cut``: sparse/dense labels and the graph cut (``assign_sparse_dense`` + ``cut_graph``);
@@ -31,16 +31,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends.spec import load_spec  # noqa: E402
-from models.configs import ModelConfig  # noqa: E402
-from models.dlrm import DLRM  # noqa: E402
-from models.signature import DENSE, INDICES, LENGTHS, SCORES  # noqa: E402
-from partitioner import compile as C  # noqa: E402
-from partitioner.cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes  # noqa: E402
-from partitioner.frontend import export_model  # noqa: E402
-from partitioner.graph_cut import cut_graph  # noqa: E402
-from partitioner.plan import DeviceInfo  # noqa: E402
-from partitioner.sparse_dense import assign_sparse_dense  # noqa: E402
+from sixfold.backends.spec_catalog import load_spec  # noqa: E402
+from sixfold.models.configs import ModelConfig  # noqa: E402
+from sixfold.models.dlrm import DLRM  # noqa: E402
+from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES  # noqa: E402
+from sixfold.partitioner import compile as C  # noqa: E402
+from sixfold.partitioner.pricing.cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes  # noqa: E402
+from sixfold.partitioner.frontends.torch_frontend import export_model  # noqa: E402
+from sixfold.partitioner.cut.graph_cut import cut_graph  # noqa: E402
+from sixfold.partitioner.plan import DeviceInfo  # noqa: E402
+from sixfold.partitioner.cut.sparse_dense import assign_sparse_dense  # noqa: E402
 from bench._common import publish  # noqa: E402
 
 SECTION = "plan-scale"
@@ -123,9 +123,9 @@ def bench(tables: int, runs: int) -> tuple[dict[str, float], dict[str, str]]:
     times["place"], _ = _median_time(place, place_runs)
 
     try:
-        from partitioner.sharding import MODES, plan_shards
+        from sixfold.partitioner.placement.sharding import MODES, plan_shards
     except ImportError:
-        facts["sharding"] = "partitioner/sharding.py not present"
+        facts["sharding"] = "partitioner/placement/sharding.py not present"
     else:
         table_facts = {"rows": list(config.table_rows), "dim": config.embedding_dim,
                        "pooling": list(config.pooling), "zipf": config.zipf}

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import models
-from loadgen import LoadConfig, RunRecord, save_recording
-from loadgen.runner import plan_run
-from loadgen.target import ModelShape
+from sixfold import models
+from sixfold.loadgen import LoadConfig, RunRecord, save_recording
+from sixfold.loadgen.runner import plan_run
+from sixfold.loadgen.target import ModelShape
 
 
 def main() -> None:

@@ -32,9 +32,9 @@ import tritonclient.http.aio as tha
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402
+from sixfold import models  # noqa: E402
 from bench._common import command, machine_line  # noqa: E402
-from server.process import ReadyProcess  # noqa: E402
+from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 MODEL = "rm2"
 _DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}

@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._common import publish, serve_until_signalled  # noqa: E402
-from server.process import ReadyProcess  # noqa: E402
+from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 SECTION = "serving-overhead"
 COMMAND = ".venv/bin/python bench/serving_overhead.py"
@@ -215,7 +215,7 @@ class Server:
 
 def start_sixfold(name: str, workers: int, serve_args: list[str], workdir: Path) -> Server:
     """``sixfold-serve --model tiny --cards 6`` with ``workers`` workers; requests counted per worker."""
-    cmd = [sys.executable, "-m", "server.cli", "--model", MODEL, "--cards", "6", "--grpc-port", "0",
+    cmd = [sys.executable, "-m", "sixfold.server.cli", "--model", MODEL, "--cards", "6", "--grpc-port", "0",
            "--metrics-port", "-1", "--http-port", "-1", "--drain-seconds", "0", "--workers", str(workers), *serve_args]
     child = Child(name, cmd)
     if workers == 1:
@@ -265,8 +265,8 @@ def successes(url: str, model: str) -> int:
 
 def write_input_data(items: int, path: Path, entries: int = 8, seed: int = 0) -> Path:
     """``entries`` different ``tiny`` queries of ``items`` items as perf_analyzer --input-data JSON."""
-    import models
-    from loadgen.export import write_perf_analyzer_json
+    from sixfold import models
+    from sixfold.loadgen.export import write_perf_analyzer_json
 
     gen = models.RequestGenerator.for_config(models.get_config(MODEL), seed=seed + items)
     return write_perf_analyzer_json((gen.make(items) for _ in range(entries)), path)[0]

@@ -44,8 +44,8 @@ def _requests(model: str, items: int, count: int = 8) -> list:
     """``count`` seeded queries as ModelInferRequests with raw contents (tritonclient's encoding)."""
     from tritonclient.grpc import service_pb2
 
-    import models
-    from server.codec import datatype_of
+    from sixfold import models
+    from sixfold.server.protocol.codec import datatype_of
 
     gen = models.RequestGenerator.for_config(models.get_config(model), seed=items)
     out = []
@@ -61,12 +61,12 @@ def _requests(model: str, items: int, count: int = 8) -> list:
 
 async def measure(model: str, items: int, concurrency: int, requests: int, reps: int, max_batch_rows: int) -> list[float]:
     """Loop CPU microseconds per request, one figure per repetition (after one warm-up pass)."""
-    from server.batcher import BatchingConfig
-    from server.core import InferenceCore
-    from server.loader import load_builtin
-    from server.metrics import ServerMetrics
-    from server.runtime import single_threaded_ops_here
-    from server.servicer import InferenceServicer
+    from sixfold.server.scheduling.batcher import BatchingConfig
+    from sixfold.server.core import InferenceCore
+    from sixfold.server.loading.loader import load_builtin
+    from sixfold.server.observability.metrics import ServerMetrics
+    from sixfold.server.execution.runtime import single_threaded_ops_here
+    from sixfold.server.transport.grpc_servicer import InferenceServicer
 
     single_threaded_ops_here()  # as SixfoldServer.start does
     served = load_builtin(model, max_rows=None, seed=0, cards=6, backend="simcard", card_spec="m2-card",

@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import models  # noqa: E402
-from backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
-from backends.spec import load_spec  # noqa: E402
+from sixfold import models  # noqa: E402
+from sixfold.backends.builtin.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
+from sixfold.backends.spec_catalog import load_spec  # noqa: E402
 from bench._common import machine_line  # noqa: E402
-from partitioner.compile import partition_builtin  # noqa: E402
-from server.loader import load_host_stage  # noqa: E402
+from sixfold.partitioner.compile import partition_builtin  # noqa: E402
+from sixfold.server.loading.loader import load_host_stage  # noqa: E402
 
 SHAPES = ((1, 1), (2, 1), (6, 6), (6, 1))
 """(threads, sessions): one card alone, two on one session, six cards as before, six on one session."""

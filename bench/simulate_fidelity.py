@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
+from sixfold import models  # noqa: E402
 from bench._common import command, machine_line, publish  # noqa: E402
-from server.process import ReadyProcess  # noqa: E402
+from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 SECTION = "simulate-fidelity"
 COMMAND = ".venv/bin/python bench/simulate_fidelity.py"
@@ -63,11 +63,12 @@ def load_average() -> float:
 def measure_stages(model: str, max_rows: int, cards: int, card_spec: str, host_spec: str,
                    sizes: list[int], runs: int) -> dict[str, Any]:
     """Median seconds of the host stage, host-dense stage and request validation per batch size, this host."""
-    from backends import registry
-    from partitioner.compile import DENSE_PARTITION, partition_builtin
-    from server.allocator import keep_freed_memory
-    from server.loader import load_host_stage
-    from server.validation import InputSpec, validate_request
+    from sixfold.backends import registry
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.partitioner.partitioned import DENSE_PARTITION
+    from sixfold.server.memory.allocator import keep_freed_memory
+    from sixfold.server.loading.loader import load_host_stage
+    from sixfold.server.model.validation import InputSpec, validate_request
 
     keep_freed_memory()
     import torch
@@ -116,7 +117,7 @@ def free_port() -> int:
 
 
 def measure_serving(args: argparse.Namespace, spec_path: str) -> list[dict[str, Any]]:
-    from loadgen import LoadConfig, run_load
+    from sixfold.loadgen import LoadConfig, run_load
 
     metrics_port = free_port()
     cmd = [*command("sixfold-serve"), "--model", args.model, "--max-rows",
@@ -152,10 +153,10 @@ def measure_serving(args: argparse.Namespace, spec_path: str) -> list[dict[str, 
 
 
 def simulate_rates(args: argparse.Namespace, spec_path: str, stages: dict[str, Any] | None) -> list[dict[str, Any]]:
-    from simulate import ServingSettings, build_platform, lone_query_ms, parse_traffic, run_at
+    from sixfold.simulate import ServingSettings, build_platform, lone_query_ms, parse_traffic, run_at
 
     settings = ServingSettings(host_dense_max_rows=args.host_dense_max_rows)
-    from simulate.platform import fit_stage
+    from sixfold.simulate.platform import fit_stage
 
     platform = build_platform(args.model, cards=args.cards, card_spec=spec_path, host_spec=args.host_spec,
                               max_rows=args.max_rows)
@@ -259,7 +260,7 @@ def main() -> int:
         spec_path = str(Path(tmp) / "slow-card.json")
         Path(spec_path).write_text(json.dumps(SLOW_CARD))
         if args.host_spec == "calibrate":  # this host now, 1 thread, as the server runs here
-            from backends.calibrate import calibrate_host
+            from sixfold.backends.host.calibrate import calibrate_host
             host_path = Path(tmp) / "host.json"
             host_path.write_text(json.dumps(calibrate_host(args.calibrate_s, threads=1).to_dict()))
             args.host_spec, args.host_label = str(host_path), f"this host calibrated with 1 thread ({args.calibrate_s:g} s)"

@@ -1,7 +1,7 @@
 """Tiered tables benchmark: the host stage with tables on disk behind a DRAM row cache.
 
 rm2 at full size (32 tables x 500k rows x dim 64 fp32, 3.8 GiB), written to disk in
-chunks (partitioner.table_build), looked up with Zipf-skewed ids (models.RequestGenerator,
+chunks (sixfold.partitioner.tables.build), looked up with Zipf-skewed ids (models.RequestGenerator,
 the loadgen's id distribution, alpha 1.05 and 1.2). Variants, one after another in one run
 over the same batches:
 
@@ -41,11 +41,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.host_embedding import HostEmbeddingStage  # noqa: E402
+from sixfold.backends.host.host_embedding import HostEmbeddingStage  # noqa: E402
 from bench._common import machine_line, publish  # noqa: E402
-from models import get_config  # noqa: E402
-from models.requests import RequestGenerator  # noqa: E402
-from partitioner import table_build  # noqa: E402
+from sixfold.models import get_config  # noqa: E402
+from sixfold.models.requests import RequestGenerator  # noqa: E402
+from sixfold.partitioner.tables import build as table_build  # noqa: E402
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -1,7 +1,7 @@
-"""``python -m loadgen`` is ``sixfold-loadgen``."""
+"""``python -m sixfold.loadgen`` is ``sixfold-loadgen``."""
 
 import sys
 
-from .cli import main
+from sixfold.loadgen.cli import main
 
 sys.exit(main())

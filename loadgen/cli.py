@@ -24,10 +24,10 @@ from typing import Any
 
 from rich.console import Console
 
-from .arrivals import ARRIVAL_FORMS
-from .config import CLIENTS, IDS_DTYPES, LoadConfig, parse_float_list, parse_int_list
-from .errors import LoadgenError
-from .report import Report, print_report
+from sixfold.loadgen.arrivals import ARRIVAL_FORMS
+from sixfold.loadgen.config import CLIENTS, IDS_DTYPES, LoadConfig, parse_float_list, parse_int_list
+from sixfold.loadgen.errors import LoadgenError
+from sixfold.loadgen.report import Report, print_report
 
 __all__ = ["main", "build_parser"]
 
@@ -153,7 +153,7 @@ _MLPERF_EXCLUSIVE = (("find_max_qps", "--find-max-qps"), ("replay", "--replay"),
 
 def _mlperf_settings(args: argparse.Namespace) -> Any:
     """The MLPerf settings from the flags (ValueError names the flag)."""
-    from .mlperf import MLPERF_MIN_DURATION_S, MLPerfSettings
+    from sixfold.loadgen.mlperf import MLPERF_MIN_DURATION_S, MLPerfSettings
     for attr, flag in _MLPERF_EXCLUSIVE:
         if getattr(args, attr):
             raise ValueError(f"{flag} does not go with --mlperf-scenario (LoadGen decides what is sent)")
@@ -227,7 +227,7 @@ def _zipf(args: argparse.Namespace) -> float | tuple[float, ...] | None:
 
 
 def _run_mlperf(args: argparse.Namespace, config: LoadConfig, settings: Any, console: Console | None) -> int:
-    from .mlperf import run_mlperf
+    from sixfold.loadgen.mlperf import run_mlperf
     if console is not None:
         console.print(f"MLPerf LoadGen {settings.scenario}: {config.model} @ {config.url}, "
                       f"{settings.qps:g} q/s, >= {settings.min_duration_s:g} s and >= "
@@ -270,23 +270,23 @@ def _fail(message: str, code: int) -> int:
 
 def _run(args: argparse.Namespace, config: LoadConfig, console: Console | None) -> Report | None:
     if args.export_perf_analyzer:
-        from .export import export_perf_analyzer_async
+        from sixfold.loadgen.export import export_perf_analyzer_async
         path, count = asyncio.run(export_perf_analyzer_async(config, args.export_perf_analyzer))
         if console is not None:
             console.print(f"wrote {count} queries as perf_analyzer input data: {path}", markup=False,
                           highlight=False)
         return None
     if args.find_max_qps:
-        from .sweep import SweepConfig, find_max_qps
+        from sixfold.loadgen.sweep import SweepConfig, find_max_qps
         sweep = SweepConfig(p99_ms=args.p99_ms, min_qps=args.min_qps, max_qps=args.max_qps,
                             floor_qps=min(args.floor_qps, args.min_qps),
                             step_duration_s=args.step_duration, tolerance=args.tolerance,
                             max_steps=args.max_steps, max_error_rate=args.max_error_rate)
         return find_max_qps(config, sweep, console=console)
     if args.processes != 1:
-        from .multiprocess import run_load_processes
+        from sixfold.loadgen.multiprocess import run_load_processes
         return run_load_processes(config, args.processes, console=console)
-    from .runner import run_load
+    from sixfold.loadgen.runner import run_load
     return run_load(config, console=console)
 
 
@@ -321,12 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = report.write_json(args.report)
     plots = []
     if args.plot:
-        from .plot import plot_all
+        from sixfold.loadgen.plot import plot_all
         plots = plot_all(report, args.plot)
     if not args.quiet:
         print_report(report, console)
         if report.sweep is not None:
-            from .sweep import print_sweep
+            from sixfold.loadgen.sweep import print_sweep
             print_sweep(report, console)
         console.print(f"report: {path}" + (f", plots: {', '.join(map(str, plots))}" if plots else "")
                       + (f", recording: {report.recording}" if report.recording else ""),

@@ -6,15 +6,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from models.requests import parse_query_sizes
+from sixfold.models.requests import parse_query_sizes
 
-from .arrivals import parse_arrival
+from sixfold.loadgen.arrivals import parse_arrival
 
 __all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES", "CLIENTS",
            "IDS_DTYPES"]
 
 CLIENTS = ("raw", "tritonclient", "shm")
-"""How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``loadgen.transport``)."""
+"""How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``sixfold.loadgen.transport``)."""
 IDS_DTYPES = ("int64", "int32")
 """How ``sparse_indices`` go on the wire: INT64 (the signature's), or INT32 (half the bytes)."""
 
@@ -89,7 +89,7 @@ class LoadConfig:
     concurrency: int | None = None
     """Closed loop: keep exactly this many requests outstanding (``qps`` and ``arrival`` are then unused)."""
     record_path: str | None = None
-    """Write what was sent, when, and what came back to this ``.npz`` (see loadgen.recording)."""
+    """Write what was sent, when, and what came back to this ``.npz`` (see sixfold.loadgen.recording)."""
     replay_path: str | None = None
     """Send the schedule and tensors of a recorded run instead of drawing new ones."""
     client: Literal["raw", "tritonclient", "shm"] = "raw"

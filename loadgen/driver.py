@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from .clock import Clock, MonotonicClock
-from .record import RunRecord
-from .transport import RequestFailed
+from sixfold.loadgen.clock import Clock, MonotonicClock
+from sixfold.loadgen.record import RunRecord
+from sixfold.loadgen.transport import RequestFailed
 
 __all__ = ["OpenLoopDriver", "ClosedLoopDriver", "SendFn", "TIMEOUT"]
 

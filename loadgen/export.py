@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LoadConfig
-from .runner import ClientFactory, Target, plan_run, resolve_config
-from .target import DEFAULT_POOLING, DEFAULT_ZIPF, ModelShape
-from .transport import make_client
+from sixfold.loadgen.config import LoadConfig
+from sixfold.loadgen.runner import ClientFactory, Target, plan_run, resolve_config
+from sixfold.loadgen.target import DEFAULT_POOLING, DEFAULT_ZIPF, ModelShape
+from sixfold.loadgen.transport import make_client
 
 __all__ = ["write_perf_analyzer_json", "export_perf_analyzer_async", "offline_shape"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.requests import QuerySizes
+from sixfold.models.requests import QuerySizes
 
 __all__ = ["IdealServerResult", "ideal_latencies", "ideal_max_qps"]
 

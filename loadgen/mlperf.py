@@ -37,11 +37,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from models.requests import parse_query_sizes
+from sixfold.models.requests import parse_query_sizes
 
-from .config import LoadConfig
-from .runner import ClientFactory, Target, generator_for
-from .transport import RequestFailed, Transport, make_client
+from sixfold.loadgen.config import LoadConfig
+from sixfold.loadgen.runner import ClientFactory, Target, generator_for
+from sixfold.loadgen.transport import RequestFailed, Transport, make_client
 
 __all__ = ["MLPerfSettings", "MLPerfResult", "run_mlperf", "parse_summary", "MLPERF_MIN_QUERIES",
            "MLPERF_MIN_DURATION_S"]

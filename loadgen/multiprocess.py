@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from .clock import MonotonicClock
-from .config import LoadConfig
-from .record import RunRecord
-from .report import Report
-from .runner import Target, drive, plan_run, summarize
+from sixfold.loadgen.clock import MonotonicClock
+from sixfold.loadgen.config import LoadConfig
+from sixfold.loadgen.record import RunRecord
+from sixfold.loadgen.report import Report
+from sixfold.loadgen.runner import Target, drive, plan_run, summarize
 
 __all__ = ["run_load_processes", "split_config", "merge_records"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import Report
+from sixfold.loadgen.report import Report
 
 __all__ = ["plot_report", "plot_cdf", "plot_sweep", "plot_all", "plot_paths"]
 

@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from .clock import Clock
-from .record import OK, RunRecord
+from sixfold.loadgen.clock import Clock
+from sixfold.loadgen.record import OK, RunRecord
 
 __all__ = ["progress_line", "live_progress"]
 

@@ -4,7 +4,7 @@ A recording holds each request's timing and outcome, the model's shape, and
 the distinct queries the run sent (the pool). The pool is stored as its
 *recipe* when the loadgen generated it (the request generator's parameters and
 random state, the sizes made, the id drift: a few hundred bytes, from which
-``loadgen.schedule.pool_tensors`` rebuilds the very same bits, checked against
+``sixfold.loadgen.schedule.pool_tensors`` rebuilds the very same bits, checked against
 a SHA-256 digest), and as compressed tensors only when it cannot be
 regenerated (a pool that came from elsewhere). Format 2
 (``numpy.savez_compressed``; every time is in seconds after the schedule's start):
@@ -54,10 +54,10 @@ from typing import Any
 
 import numpy as np
 
-from models.signature import DENSE, INDICES, LENGTHS
+from sixfold.models.signature import DENSE, INDICES, LENGTHS
 
-from .record import RunRecord
-from .schedule import PoolRecipe, pool_digest, pool_tensors
+from sixfold.loadgen.record import RunRecord
+from sixfold.loadgen.schedule import PoolRecipe, pool_digest, pool_tensors
 
 __all__ = ["Recording", "save_recording", "load_recording", "RECORDING_SCHEMA", "RECORDING_SCHEMA_V1"]
 

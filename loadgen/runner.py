@@ -3,7 +3,7 @@
 Everything slow or random (request generation, encoding, drawing arrivals and
 sizes) happens before the clock starts; the measured part is only the driver.
 The pieces (``Target``, ``plan_run``, ``drive``, ``summarize``) are public so
-that a sweep (``loadgen.sweep``) can run many steps over one connection.
+that a sweep (``sixfold.loadgen.sweep``) can run many steps over one connection.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from models.requests import RequestGenerator, parse_query_sizes
+from sixfold.models.requests import RequestGenerator, parse_query_sizes
 
-from .arrivals import ConstantArrivals, TraceArrivals, parse_arrival
-from .clock import Clock, MonotonicClock
-from .config import CLOSED_LOOP_QUERIES, LoadConfig
-from .driver import ClosedLoopDriver, OpenLoopDriver
-from .errors import LoadgenError
-from .progress import live_progress
-from .record import RunRecord
-from .recording import Recording, load_recording, save_recording
-from .report import Report
-from .schedule import QueryPool, Schedule, build_schedule
-from .stats import latency_cdf, timeline, window_stats
-from .target import ModelShape, ShapeOverrides, discover_shape, published_facts, wait_until_ready
-from .transport import Transport, make_client, make_transport
+from sixfold.loadgen.arrivals import ConstantArrivals, TraceArrivals, parse_arrival
+from sixfold.loadgen.clock import Clock, MonotonicClock
+from sixfold.loadgen.config import CLOSED_LOOP_QUERIES, LoadConfig
+from sixfold.loadgen.driver import ClosedLoopDriver, OpenLoopDriver
+from sixfold.loadgen.errors import LoadgenError
+from sixfold.loadgen.progress import live_progress
+from sixfold.loadgen.record import RunRecord
+from sixfold.loadgen.recording import Recording, load_recording, save_recording
+from sixfold.loadgen.report import Report
+from sixfold.loadgen.schedule import QueryPool, Schedule, build_schedule
+from sixfold.loadgen.stats import latency_cdf, timeline, window_stats
+from sixfold.loadgen.target import ModelShape, ShapeOverrides, discover_shape, published_facts, wait_until_ready
+from sixfold.loadgen.transport import Transport, make_client, make_transport
 
 __all__ = ["run_load", "run_load_async", "plan_run", "summarize", "drive", "Target", "resolve_config",
            "schedule_from_recording", "generator_for"]
@@ -276,7 +276,7 @@ async def run_load_async(config: LoadConfig, *, console: Console | None = None, 
     makes the tritonclient ``InferenceServerClient`` used for readiness and
     discovery (and for sending, with ``client="tritonclient"``). With
     ``config.replay_path`` the recorded schedule and tensors are sent; with
-    ``config.record_path`` the run is saved (see ``loadgen.recording``).
+    ``config.record_path`` the run is saved (see ``sixfold.loadgen.recording``).
     """
     clock = clock or MonotonicClock()
     recording = load_recording(config.replay_path) if config.replay_path else None

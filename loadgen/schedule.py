@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from models.requests import QuerySizes, RequestGenerator
-from models.signature import INDICES, LENGTHS
+from sixfold.models.requests import QuerySizes, RequestGenerator
+from sixfold.models.signature import INDICES, LENGTHS
 
-from .arrivals import ArrivalProcess
+from sixfold.loadgen.arrivals import ArrivalProcess
 
 __all__ = ["Schedule", "QueryPool", "PoolRecipe", "build_schedule", "pool_tensors", "pool_digest", "shift_ids",
            "drift_slices", "MAX_DRIFT_SLICES"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .record import ERROR, OK, PENDING, RunRecord
+from sixfold.loadgen.record import ERROR, OK, PENDING, RunRecord
 
 __all__ = ["percentiles", "LATENCY_QUANTILES", "CDF_PERCENTILES", "window_stats", "timeline", "latency_cdf"]
 

@@ -32,11 +32,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .clock import Clock, MonotonicClock
-from .config import LoadConfig
-from .report import Report
-from .runner import ClientFactory, Target, drive, plan_run, resolve_config, summarize
-from .transport import make_client
+from sixfold.loadgen.clock import Clock, MonotonicClock
+from sixfold.loadgen.config import LoadConfig
+from sixfold.loadgen.report import Report
+from sixfold.loadgen.runner import ClientFactory, Target, drive, plan_run, resolve_config, summarize
+from sixfold.loadgen.transport import make_client
 
 __all__ = ["SweepConfig", "find_max_qps", "find_max_qps_async", "step_passes", "print_sweep"]
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from tritonclient.utils import InferenceServerException
 
-from models.signature import DENSE, INDICES, LENGTHS
+from sixfold.models.signature import DENSE, INDICES, LENGTHS
 
-from .config import parse_int_list
-from .errors import LoadgenError
+from sixfold.loadgen.config import parse_int_list
+from sixfold.loadgen.errors import LoadgenError
 
 __all__ = ["ModelShape", "ShapeOverrides", "wait_until_ready", "discover_shape", "shape_from", "published_facts",
            "PARAM_TABLE_ROWS", "PARAM_POOLING", "PARAM_ZIPF", "DEFAULT_POOLING", "DEFAULT_ZIPF"]

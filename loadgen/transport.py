@@ -38,10 +38,10 @@ import tritonclient.grpc.aio as tritonaio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from models.signature import INDICES, SCORES
+from sixfold.models.signature import INDICES, SCORES
 
-from .config import CLIENTS, IDS_DTYPES
-from .errors import LoadgenError
+from sixfold.loadgen.config import CLIENTS, IDS_DTYPES
+from sixfold.loadgen.errors import LoadgenError
 
 __all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "SharedMemoryTransport",
            "make_transport", "wire_tensors", "DATATYPES", "CHANNEL_OPTIONS", "make_client"]

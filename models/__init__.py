@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .configs import CONFIGS, ModelConfig, get_config
-from .requests import (FixedQuerySizes, MLPerfQuerySizes, QuerySizes, RequestGenerator,
+from sixfold.models.configs import CONFIGS, ModelConfig, get_config
+from sixfold.models.requests import (FixedQuerySizes, MLPerfQuerySizes, QuerySizes, RequestGenerator,
                        parse_query_sizes)
-from .signature import DENSE, INDICES, LENGTHS, SCORES, Signature, TensorSpec, signature_for
+from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES, Signature, TensorSpec, signature_for
 
 __all__ = [
     "build", "names", "example_inputs", "CONFIGS", "ModelConfig", "get_config", "DLRM",
@@ -20,13 +20,13 @@ __all__ = [
 if TYPE_CHECKING:
     import torch
 
-    from .dlrm import DLRM
+    from sixfold.models.dlrm import DLRM
 
 
 def __getattr__(name: str) -> Any:
     # NOTE: torch loads only when a model is built, so the load generator starts in a blink.
     if name == "DLRM":
-        from .dlrm import DLRM
+        from sixfold.models.dlrm import DLRM
         return DLRM
     raise AttributeError(f"module 'models' has no attribute {name!r}")
 
@@ -57,7 +57,7 @@ def build(name: str, *, max_rows: int | None = None, seed: int = 0) -> "DLRM":
             f"{have / 2**30:.1f} GiB; pass max_rows (e.g. --max-rows 100000) to cap each table")
     import torch
 
-    from .dlrm import DLRM
+    from sixfold.models.dlrm import DLRM
     torch.manual_seed(seed)
     model = DLRM(config, seed=seed)
     return model.eval()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configs import ModelConfig
+from sixfold.models.configs import ModelConfig
 
 __all__ = ["DLRM", "TableBatchedEmbedding", "MLP"]
 

@@ -11,8 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .configs import ModelConfig
-from .signature import DENSE, INDICES, LENGTHS
+from sixfold.models.configs import ModelConfig
+from sixfold.models.signature import DENSE, INDICES, LENGTHS
 
 __all__ = [
     "QuerySizes", "FixedQuerySizes", "MLPerfQuerySizes", "parse_query_sizes",

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .checksums import table_checksums
-from .compile import HOST_PARTITION, PartitionedModel
-from .host_export import export_host_program
-from .table_probe import table_batched
+from sixfold.partitioner.tables.checksums import table_checksums
+from sixfold.partitioner.partitioned import HOST_PARTITION, PartitionedModel
+from sixfold.partitioner.frontends.host_export import export_host_program
+from sixfold.partitioner.tables.probe import table_batched
 
 __all__ = ["write_artifacts"]
 
@@ -49,7 +49,7 @@ def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
             np.save(out / "tables" / f"table_{t:03d}.npy", table)
         plan.partition(HOST_PARTITION).artifact = "tables/"
         plan.partition(HOST_PARTITION).format = "tables"
-        plan.tables["checksums"] = table_checksums(out / "tables")  # checked at load (partitioner.checksums)
+        plan.tables["checksums"] = table_checksums(out / "tables")  # checked at load (sixfold.partitioner.tables.checksums)
     else:  # any other host graph is saved whole and runs on the torch backend
         if host_artifact.format == "torch-fx" and host_artifact.metadata.get("precision", "fp32") != "fp32":
             host_module = host_artifact.payload  # its lookups rewritten to fp16/int8/int4 rows (lookup_precision)

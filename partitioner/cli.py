@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-import models
+from sixfold import models
 
 __all__ = ["main"]
 
@@ -69,8 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _replan(args: argparse.Namespace, plan, host, card):
     """The same model and choices planned for other specs (``--measure``'s estimate), same dense stages."""
-    from .compile import partition_builtin, partition_file
-    from .precision import apply_dense_precision
+    from sixfold.partitioner.compile import partition_builtin, partition_file
+    from sixfold.partitioner.precision.dense import apply_dense_precision
     stages = len(plan.dense_stages()) if plan.strategy == "pipeline" else None
     common = dict(cards=1 if stages is None else stages, card_spec=card, host_spec=host, batch_rows=args.batch_rows,
                   table_precision=args.table_precision, strategy=plan.strategy, stages=stages,
@@ -101,8 +101,8 @@ def _show(argv: list[str]) -> int:
                                 "the estimates and, when it was priced with --table-memory, its table tiers")
     p.add_argument("plan", help="a plan.json, or the model-repository version folder holding one")
     args = p.parse_args(argv)
-    from .explain import print_plan
-    from .plan import PartitionPlan
+    from sixfold.partitioner.report.explain import print_plan
+    from sixfold.partitioner.plan import PartitionPlan
     path = Path(args.plan)
     if path.is_dir():
         path = path / "plan.json"
@@ -123,30 +123,31 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["calibrate"]:
         # Measure this host (FLOP/s, memory and gather bandwidth) and write a device spec;
         # --disk DIR also measures the disk under DIR for the table tiers (--disk-out FILE, default disk.json).
-        from backends.calibrate import main as calibrate
+        from sixfold.backends.host.calibrate import main as calibrate
         rest, disk, disk_out = _take_disk_options(argv[1:])
         code = calibrate(rest)
         if code == 0 and disk:
-            from .tiers import measure_disk
+            from sixfold.partitioner.pricing.tiers import measure_disk
             spec = measure_disk(disk)
             Path(disk_out).write_text(spec.to_json() + "\n")
             print(f"disk under {disk}: {spec.iops:,.0f} random 4 KiB reads/s at {spec.depth} readers, "
                   f"{spec.read_latency_s * 1e6:.0f} us at one; wrote {disk_out}", file=sys.stderr)
         return code
     if argv[:1] == ["tables"]:  # build a model's tables to disk in chunks, or import a user's (table_build)
-        from .table_build import main as tables
+        from sixfold.partitioner.tables.build import main as tables
         return tables(argv[1:])
-    if argv[:1] == ["tiers"]:  # price a plan's table tiers, or measure a disk (partitioner.tiers)
-        from .tiers import main as tiers
+    if argv[:1] == ["tiers"]:  # price a plan's table tiers, or measure a disk (sixfold.partitioner.pricing.tiers_cli)
+        from sixfold.partitioner.pricing.tiers_cli import main as tiers
         return tiers(argv[1:])
     if argv[:1] == ["show"]:  # print a saved plan, its stored tier table included
         return _show(argv[1:])
     args = _parser().parse_args(argv)
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 120)  # plans are wide
     err = Console(stderr=True)
-    from .artifacts import write_artifacts
-    from .compile import HOST_PARTITION, partition_builtin, partition_file
-    from .explain import print_plan
+    from sixfold.partitioner.artifacts import write_artifacts
+    from sixfold.partitioner.compile import partition_builtin, partition_file
+    from sixfold.partitioner.partitioned import HOST_PARTITION
+    from sixfold.partitioner.report.explain import print_plan
     if bool(args.model) == bool(args.model_file):
         err.print("sixfold-partition: give either MODEL_FILE or --model NAME")
         return 2
@@ -176,18 +177,18 @@ def main(argv: list[str] | None = None) -> int:
                     stages=args.stages)
             reference = None
             if args.accuracy_report:
-                from .accuracy import reference_artifacts
+                from sixfold.partitioner.precision.accuracy import reference_artifacts
                 reference = reference_artifacts(partitioned)
-            from .precision import apply_dense_precision
+            from sixfold.partitioner.precision.dense import apply_dense_precision
             apply_dense_precision(partitioned, args.dense_precision)
             if args.sparse_on_cards:
-                from .sharding import shard_tables
+                from sixfold.partitioner.placement.sharding import shard_tables
                 shard_tables(partitioned, args.sparse_on_cards)
             if args.table_memory:
                 if not partitioned.plan.tables.get("rows"):
                     raise ValueError(f"--table-memory: {partitioned.plan.model}'s lookups are not table-batched "
                                      "(no table rows in its plan): it has no table tiers to price")
-                from .tiers import price_plan_tiers
+                from sixfold.partitioner.pricing.tiers import price_plan_tiers
                 partitioned.plan.tiers = price_plan_tiers(partitioned.plan, args.table_memory,
                                                           disk_spec=args.disk_spec, zipf=args.zipf)
             if args.plan_only:
@@ -199,13 +200,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 path = write_artifacts(partitioned, args.out)
         if reference is not None:
-            from .accuracy import accuracy_report, print_accuracy
+            from sixfold.partitioner.precision.accuracy import accuracy_report, print_accuracy
             with console.status(f"scoring {args.accuracy_items} items for the accuracy report..."):
                 report = accuracy_report(reference, partitioned, partitioned.plan, items=args.accuracy_items,
                                          seed=args.seed + 1)
         measured = None
         if args.measure:
-            from .measure import measure_plan
+            from sixfold.partitioner.pricing.measure import measure_plan
             with console.status("calibrating this host and timing each stage of the plan...") as status:
                 host_info = partitioned.plan.partition(HOST_PARTITION)
                 tables_dir = path.parent / host_info.artifact if host_info.format == "tables" else None
@@ -222,12 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         print_accuracy(report, console)
         console.print(f"wrote {report.save(path.parent / 'accuracy.json')}")
     if measured is not None:
-        from .measure import print_measure
+        from sixfold.partitioner.pricing.measure import print_measure
         print_measure(measured, console)
         console.print(f"wrote {measured.save(path.parent / 'measure.json')}"
                       + (" (table shards on cards not measured)" if args.sparse_on_cards else ""))
     if args.draw:
-        from .draw import draw_partitioned
+        from sixfold.partitioner.report.draw import draw_partitioned
         plan = partitioned.plan
         drawn = draw_partitioned(partitioned, args.draw,
                                  title=f"{plan.model}: host (sparse) vs cards (dense), {plan.strategy}")

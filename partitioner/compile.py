@@ -13,62 +13,34 @@ import io
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-import models
-from backends.api import Backend, PartitionArtifact
-from backends.spec import DeviceSpec, load_spec
-from models.signature import DENSE, INDICES, LENGTHS, SCORES
+from sixfold import models
+from sixfold.backends.api import PartitionArtifact
+from sixfold.backends.spec import DeviceSpec
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES
 
-from .cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, op_profile, stage_seconds
-from .frontend import export_model
-from .graph_cut import SplitGraph, cut_graph
-from .plan import (DeviceEstimate, DeviceInfo, Estimates, PartitionInfo, PartitionPlan, TensorInfo)
-from .sparse_dense import assign_sparse_dense
-from .pipeline import node_costs, run_stages, split_stages
-from .strategy import STRATEGIES, PlanError, auto_refusal, choose, pipeline, replicate
+from sixfold.partitioner.pricing.cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, op_profile
+from sixfold.partitioner.frontends.torch_frontend import export_model
+from sixfold.partitioner.cut.graph_cut import SplitGraph, cut_graph
+from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION, PartitionedModel
+from sixfold.partitioner.plan import DeviceInfo, PartitionInfo, PartitionPlan, TensorInfo
+from sixfold.partitioner.pricing.estimate import estimate_plan
+from sixfold.partitioner.cut.sparse_dense import assign_sparse_dense
+from sixfold.partitioner.cut.pipeline import node_costs, run_stages, split_stages
+from sixfold.partitioner.placement.strategy import STRATEGIES, PlanError, auto_refusal, choose, pipeline, replicate
 
 __all__ = ["PartitionedModel", "partition_model", "partition_builtin", "partition_file", "quantize_tables", "HOST_PARTITION", "DENSE_PARTITION"]
 
 log = logging.getLogger(__name__)
 
-HOST_PARTITION = "sparse"
-DENSE_PARTITION = "dense"
 _DTYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.int32: "INT32", torch.int64: "INT64"}
 
 ExampleFn = Callable[[int], dict[str, torch.Tensor]]
-
-
-@dataclass
-class PartitionedModel:
-    """A plan and the artifacts it names, ready for backends to load."""
-
-    plan: PartitionPlan
-    artifacts: dict[str, PartitionArtifact]
-    split: SplitGraph | None = None
-    """The torch cut (None for an ONNX model, whose halves are already ONNX artifacts)."""
-    graph: Any = None
-    """The exported graph module the cut was made on (for drawing); an onnx.ModelProto for ONNX models."""
-    labels: dict = field(default_factory=dict)
-    """Its node -> partition labels (node names for ONNX models)."""
-    variants: dict[str, list[PartitionArtifact]] = field(default_factory=dict)
-    """Other formats of the same partition (the dense part as a torch FX module, say)."""
-    costs: dict[str, PartitionCost] = field(default_factory=dict)
-    """The cost model's inputs per partition (op profiles included), as the estimates priced them."""
-    io_bytes: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Bytes in and out per item of each partition over its device's link (host stage: none)."""
-
-    def artifact_for(self, partition: str, backend: "Backend") -> PartitionArtifact:
-        """The partition in a format ``backend`` takes; ValueError naming the formats when none fits."""
-        for candidate in [self.artifacts[partition], *self.variants.get(partition, [])]:
-            if backend.supports(candidate):
-                return candidate
-        have = [a.format for a in [self.artifacts[partition], *self.variants.get(partition, [])]]
-        raise ValueError(f"backend {backend.name!r} takes none of partition {partition}'s formats {have}")
 
 
 def _tensor_info(name: str, t: torch.Tensor, batch_dim_dynamic: bool = True) -> TensorInfo:
@@ -104,38 +76,6 @@ def _export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], input_
     buffer = io.BytesIO()
     program.save(buffer)
     return buffer.getvalue()
-
-
-def _estimate(plan_devices: list[DeviceInfo], placements, costs: dict[str, PartitionCost],
-              io_bytes: dict[str, tuple[float, float]], batch_rows: int) -> Estimates:
-    per_device: list[DeviceEstimate] = []
-    rates: dict[str, float] = {}
-    for device in plan_devices:
-        names = [p.partition for p in placements if p.device == device.id]
-        if not names:
-            continue
-        seconds = transfer = 0.0
-        for name in names:
-            in_per, out_per = io_bytes[name]
-            seconds += stage_seconds(device.spec, costs[name], batch_rows, in_per * batch_rows, out_per * batch_rows)
-            transfer += (device.spec.transfer_seconds(in_per * batch_rows)
-                         + device.spec.transfer_seconds(out_per * batch_rows))
-        memory = sum(costs[n].param_bytes for n in names)
-        per_device.append(DeviceEstimate(device=device.id, partitions=names, memory_bytes=memory,
-                                         memory_capacity=device.spec.memory_bytes,
-                                         batch_seconds=seconds, utilisation=0.0, transfer_seconds=transfer))
-    # Throughput bound: each partition's replicas share its load; the slowest stage limits.
-    for name in costs:
-        replicas = [d for d in per_device if name in d.partitions]
-        rates[name] = sum(batch_rows / d.batch_seconds for d in replicas if d.batch_seconds > 0) or float("inf")
-    bottleneck = min(rates, key=rates.get)
-    bound = rates[bottleneck]
-    for d in per_device:
-        replicas = sum(1 for x in per_device if set(x.partitions) == set(d.partitions))
-        d.utilisation = min(1.0, bound / replicas * d.batch_seconds / batch_rows) if batch_rows else 0.0
-    latency = sum(max(d.batch_seconds for d in per_device if name in d.partitions) for name in costs)
-    return Estimates(batch_rows=batch_rows, per_device=per_device, bottleneck=bottleneck,
-                     throughput_items_per_s=bound, latency_ms=latency * 1e3)
 
 
 def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedProgram, example: ExampleFn, *,
@@ -205,7 +145,7 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
     onnx_bytes = (_export_onnx(split.dense, large_args, split.dense_inputs, [SCORES])
                   if staged is None and compile else None)
-    estimates = _estimate([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
+    estimates = estimate_plan([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
 
     with torch.inference_mode():
         scores = split.dense(*large_args)[0]
@@ -312,10 +252,10 @@ def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, preci
 
     Only for a table-batched embedding host stage (the zoo's): the host partition
     must read just the lengths and ids and produce one pooled tensor. The tables
-    backend (``backends.host_embedding``) runs small batches at a third of the
+    backend (``sixfold.backends.host.host_embedding``) runs small batches at a third of the
     graph's cost, and fp32 tables give the graph's sums bit for bit.
     """
-    from backends.host_embedding import PRECISIONS, bytes_per_row
+    from sixfold.backends.host.host_embedding import PRECISIONS, bytes_per_row
     if precision not in PRECISIONS:
         raise ValueError(f"unknown table precision {precision!r}; known: {', '.join(PRECISIONS)}")
     split = partitioned.split
@@ -345,7 +285,7 @@ def partition_builtin(name: str, *, max_rows: int | None = None, seed: int = 0, 
     """Build a zoo model and partition it onto ``cards`` identical cards plus the host.
 
     ``compile=False``: plan only, no ONNX export (see ``partition_model``).
-    The host stage is served as tables (``backends.host_embedding``, as a repository written
+    The host stage is served as tables (``sixfold.backends.host.host_embedding``, as a repository written
     by ``sixfold-partition`` serves it), in ``table_precision``: fp32 gives the same sums as
     the model's graph, bit for bit; fp16/int8/int4 are row-wise quantized.
     """
@@ -376,19 +316,19 @@ def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_s
     """
     from pathlib import Path
 
-    from .frontend import load_export_archive
+    from sixfold.partitioner.frontends.torch_frontend import load_export_archive
     suffix = Path(path).suffix
     if suffix not in (".pt2", ".onnx"):
         raise ValueError(f"{path}: expected a torch.export archive (.pt2) or an ONNX model (.onnx), not {suffix!r}")
     card = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
     host = host_spec if isinstance(host_spec, DeviceSpec) else load_spec(host_spec)
     if suffix == ".onnx":
-        from .onnx_frontend import partition_onnx
+        from sixfold.partitioner.frontends.onnx_frontend import partition_onnx
         partitioned = partition_onnx(path, cards=[card] * cards, host=host, name=name, pooling=pooling,
                                      strategy=strategy, batch_rows=batch_rows)
         partitioned.plan.tables["fixed_pooling"] = True  # observed at one pooling: synthetic traffic keeps it
         if table_precision != "fp32":
-            from .onnx_precision import quantize_onnx_lookups
+            from sixfold.partitioner.precision.onnx_lookups import quantize_onnx_lookups
             quantize_onnx_lookups(partitioned, table_precision)
         return partitioned
     module, example, tables = load_export_archive(path, pooling=pooling or 1)
@@ -398,20 +338,20 @@ def partition_file(path: str, *, name: str | None = None, cards: int = 6, card_s
     _probe_rows(partitioned, pooling or 1)
     partitioned.plan.tables["fixed_pooling"] = True  # traced at one pooling: synthetic traffic keeps it
     if table_precision != "fp32":
-        from .lookup_precision import quantize_lookups
+        from sixfold.partitioner.precision.lookups import quantize_lookups
         quantize_lookups(partitioned, table_precision)
     return partitioned
 
 
 def _probe_rows(partitioned: PartitionedModel, pooling: int) -> None:
     """Per-table row counts for the server's range checks, read off the host graph (table_probe)."""
-    from .table_probe import probe_table_rows
+    from sixfold.partitioner.tables.probe import probe_table_rows
     plan, split = partitioned.plan, partitioned.split
     shapes = {t.name: t.shape for t in plan.inputs}
     rows = probe_table_rows(split.host, list(split.host_inputs), tables=shapes[LENGTHS][1],
                             dense_dim=shapes[DENSE][1], pooling=pooling)
     if rows is None:
         log.warning("%s: could not tell which lookup serves which table; the server range-checks ids per lookup "
-                    "instead, after the model's own index arithmetic (partitioner.id_check)", plan.model)
+                    "instead, after the model's own index arithmetic (sixfold.partitioner.tables.id_check)", plan.model)
     else:
         plan.tables["rows"] = rows

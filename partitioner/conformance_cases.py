@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from backends.api import Arrays, PartitionArtifact
+from sixfold.backends.api import Arrays, PartitionArtifact
 
 __all__ = ["ZooCases"]
 
@@ -22,16 +22,17 @@ class ZooCases:
 
     @staticmethod
     def names() -> list[str]:
-        import models
+        from sixfold import models
         return models.names()
 
     @staticmethod
     def build(model: str, max_rows: int, seed: int) -> tuple[PartitionArtifact, Callable[[int], Arrays]]:
         import torch
 
-        import models
+        from sixfold import models
 
-        from .compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
+        from sixfold.partitioner.compile import partition_builtin
+        from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
 
         zoo, partitioned = partition_builtin(model, max_rows=max_rows, seed=seed, cards=1)
         host, dense = partitioned.artifacts[HOST_PARTITION], partitioned.artifacts[DENSE_PARTITION]

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.spec import DeviceSpec
+from sixfold.backends.spec import DeviceSpec
 
-from .tiers import TierPricing
+from sixfold.partitioner.pricing.tiers import TierPricing
 
 __all__ = ["TensorInfo", "PartitionInfo", "DeviceInfo", "Placement", "DeviceEstimate",
            "Estimates", "TableShard", "PartitionPlan", "PLAN_FORMAT_VERSION"]
@@ -91,7 +91,7 @@ class Estimates:
 
 @dataclass
 class TableShard:
-    """A block of one embedding table (rows x columns) on one device (partitioner.sharding)."""
+    """A block of one embedding table (rows x columns) on one device (sixfold.partitioner.placement.sharding)."""
 
     table: int
     device: str

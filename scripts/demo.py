@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.process import ReadyProcess
+from sixfold.server.workers.process import ReadyProcess
 
 BIN = Path(sys.executable).parent
 
@@ -39,7 +39,7 @@ def _start_server(args: argparse.Namespace) -> ReadyProcess:
 
 def _predict(args: argparse.Namespace) -> tuple[str, str]:
     """The plan's estimate and the simulator's prediction for this run's platform and traffic."""
-    from simulate import ServingSettings, build_platform, parse_traffic, run_at
+    from sixfold.simulate import ServingSettings, build_platform, parse_traffic, run_at
 
     platform = build_platform(args.model, cards=args.cards, card_spec="m2-card", host_spec=args.host_spec,
                               max_rows=args.max_rows)

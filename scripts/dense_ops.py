@@ -2,7 +2,7 @@
 
 Exports every zoo model's dense partition (small tables; fp32, and fp16 as
 ``--dense-precision fp16`` serves it), collects every op use with
-``backends.conformance.ops.inventory`` and writes
+``sixfold.backends.conformance.ops.inventory`` and writes
 ``backends/conformance/dense_ops.json``, the table between the
 ``dense-ops`` markers of docs/backends.md and its summary line between the
 ``dense-ops-summary`` markers of docs/vendor.md.
@@ -32,9 +32,9 @@ def zoo_partitions(max_rows: int = 50, seed: int = 0) -> list:
     """(label, ModelProto, feed) for every zoo model's dense partition, fp32 and fp16."""
     import onnx
 
-    import models
-    from backends.conformance.cases import case_source
-    from partitioner.precision import onnx_to_fp16
+    from sixfold import models
+    from sixfold.backends.conformance.cases import case_source
+    from sixfold.partitioner.precision.dense import onnx_to_fp16
 
     out = []
     for name in models.names():
@@ -48,7 +48,7 @@ def zoo_partitions(max_rows: int = 50, seed: int = 0) -> list:
 
 def current() -> tuple[dict, str]:
     """(inventory, docs table) derived now."""
-    from backends.conformance.ops import inventory, markdown_table
+    from sixfold.backends.conformance.ops import inventory, markdown_table
 
     inv = inventory(zoo_partitions())
     return inv, markdown_table(inv)
@@ -69,7 +69,7 @@ def with_summary(doc: str, table: str) -> str:
 
 
 def main() -> int:
-    from backends.conformance.ops import DENSE_OPS_FILE
+    from sixfold.backends.conformance.ops import DENSE_OPS_FILE
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if dense_ops.json or the docs table is stale")

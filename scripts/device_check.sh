@@ -69,7 +69,7 @@ EOF
   nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
   echo "== imports"
   "$PY" -c 'import server, backends, partitioner, models
-import server.loader, server.app, server.http_app, server.cli, partitioner.precision
+import sixfold.server.loading.loader, sixfold.server.app, sixfold.server.transport.http_app, sixfold.server.cli, sixfold.partitioner.precision.dense
 import tritonclient.grpc, grpc_health.v1.health_pb2, starlette, uvicorn
 print("project imports ok")' || echo "WARNING: a project import failed (the bench may still run)"
   echo "== bench/cuda_backends.py $*"

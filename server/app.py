@@ -17,17 +17,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .allocator import keep_freed_memory
-from .core import InferenceCore
-from .gc_pause import freeze_loaded_objects
-from .http_app import build_app
-from .http_server import RestServer
-from .infer_request import parse_model_infer
-from .metrics import ServerMetrics
-from .runtime import single_threaded_ops_here
-from .servicer import InferenceServicer
-from .siblings import Siblings, WorkerSet
-from .warmup import warm_up
+from sixfold.server.memory.allocator import keep_freed_memory
+from sixfold.server.core import InferenceCore
+from sixfold.server.memory.gc_pause import freeze_loaded_objects
+from sixfold.server.transport.http_app import build_app
+from sixfold.server.transport.http_server import RestServer
+from sixfold.server.protocol.infer_request import parse_model_infer
+from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.execution.runtime import single_threaded_ops_here
+from sixfold.server.transport.grpc_servicer import InferenceServicer
+from sixfold.server.workers.siblings import Siblings, WorkerSet
+from sixfold.server.model.warmup import warm_up
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
 
@@ -67,13 +67,13 @@ class ServerConfig:
     serving for this long, so load balancers stop sending before anything is refused; then drain.
     sixfold-serve's default is 5 s; the library's is 0 (tests and notebooks stop at once)."""
     warmup: bool = True
-    """Run a few synthetic batches through every model before serving it (``server.warmup``)."""
+    """Run a few synthetic batches through every model before serving it (``sixfold.server.model.warmup``)."""
     shared_memory: bool = True
     """Accept Triton's system shared memory extension: co-located clients register /dev/shm
-    segments and send tensors by region (``server.shared_memory``); False refuses it."""
+    segments and send tensors by region (``sixfold.server.protocol.shared_memory``); False refuses it."""
     workers: WorkerSet | None = None
-    """Set in each worker of ``sixfold-serve --workers N`` (``server.workers``): the port is shared
-    with the siblings (SO_REUSEPORT), and changes are told to them (``server.siblings``). None: this
+    """Set in each worker of ``sixfold-serve --workers N`` (``sixfold.server.workers.supervisor``): the port is shared
+    with the siblings (SO_REUSEPORT), and changes are told to them (``sixfold.server.workers.siblings``). None: this
     process alone binds the port, and a busy port is an error."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
@@ -108,7 +108,7 @@ class SixfoldServer:
         self._drain_over: asyncio.Event | None = None
 
     async def start(self) -> int:
-        single_threaded_ops_here()  # the event loop runs small batches inline (server.runtime.StageRunner)
+        single_threaded_ops_here()  # the event loop runs small batches inline (sixfold.server.execution.runtime.StageRunner)
         keep_freed_memory()  # stage workers reuse their batch buffers (sixfold-serve sets it before any thread)
         workers = self.config.workers
         # NOTE: gRPC sets SO_REUSEPORT by default, so a second server on a busy port would bind it silently
@@ -123,7 +123,7 @@ class SixfoldServer:
         server = self._server = grpc.aio.server(options=options)
         servicer = InferenceServicer(self.core, control_token=self.config.control_token, metrics=self.metrics)
         # NOTE: ModelInfer's own handler first (grpc asks handlers in order): its deserializer keeps the raw
-        # tensors as views of the message instead of copying them twice (server.infer_request)
+        # tensors as views of the message instead of copying them twice (sixfold.server.protocol.infer_request)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {
             "ModelInfer": grpc.unary_unary_rpc_method_handler(
                 servicer.ModelInfer, request_deserializer=parse_model_infer,
@@ -163,12 +163,12 @@ class SixfoldServer:
         for name in ("", _SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
-            # NOTE: a worker's page is for its supervisor, which serves all the workers' (server.worker_metrics)
+            # NOTE: a worker's page is for its supervisor, which serves all the workers' (sixfold.server.workers.worker_metrics)
             host = "127.0.0.1" if workers is not None else self.config.host
             self.metrics_port = self.metrics.serve(host, self.config.metrics_port,
                                                    tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                                                    token=self.config.metrics_token)
-        freeze_loaded_objects()  # full collections would otherwise walk every loaded module (server.gc_pause)
+        freeze_loaded_objects()  # full collections would otherwise walk every loaded module (sixfold.server.memory.gc_pause)
         return self.port
 
     async def stop(self) -> None:

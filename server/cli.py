@@ -11,21 +11,21 @@ from pathlib import Path
 
 from rich.console import Console
 
-import models
-from backends.api import BackendError
+from sixfold import models
+from sixfold.backends.api import BackendError
 
-from .allocator import keep_freed_memory
-from .app import ServerConfig, SixfoldServer
-from .batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US,
+from sixfold.server.memory.allocator import keep_freed_memory
+from sixfold.server.app import ServerConfig, SixfoldServer
+from sixfold.server.scheduling.batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US,
                       BatchingConfig)
-from .core import InferenceCore
-from .errors import ServingError
-from .logs import configure_logging
-from .metrics import ServerMetrics
-from .process import READY_PREFIX
-from .runtime import CARD_SCHEDULING, DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS
-from .siblings import WorkerSet
-from .workers import follow_supervisor, worker_ports_line
+from sixfold.server.core import InferenceCore
+from sixfold.server.errors import ServingError
+from sixfold.server.observability.logs import configure_logging
+from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.workers.process import READY_PREFIX
+from sixfold.server.execution.runtime import CARD_SCHEDULING, DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS
+from sixfold.server.workers.siblings import WorkerSet
+from sixfold.server.workers.supervisor import follow_supervisor, worker_ports_line
 
 __all__ = ["main"]
 
@@ -172,7 +172,7 @@ def _worker_set(text: str | None) -> WorkerSet | None:
 
 
 def _table_memory(text: str) -> int | float:
-    from backends.table_store import parse_table_memory
+    from sixfold.backends.host.table_store import parse_table_memory
     try:
         value = parse_table_memory(text)
     except ValueError as exc:
@@ -184,7 +184,7 @@ def _table_memory(text: str) -> int | float:
 
 def _default_card_spec(backend: str) -> str:
     """The first device the backend reports on this machine (a vendor's own card), else m2-card."""
-    from backends.registry import get_backend
+    from sixfold.backends.registry import get_backend
 
     try:
         devices = get_backend(backend).devices()
@@ -194,12 +194,12 @@ def _default_card_spec(backend: str) -> str:
 
 
 async def _serve(args: argparse.Namespace, console: Console) -> int:
-    from partitioner.explain import print_plan
+    from sixfold.partitioner.report.explain import print_plan
 
-    from .loader import load_builtin, load_from_repository
-    from .model_control import ModelControl
-    from .repository import ModelRepository
-    from backends.options import load_options_file, parse_option
+    from sixfold.server.loading.loader import load_builtin, load_from_repository
+    from sixfold.server.loading.model_control import ModelControl
+    from sixfold.server.loading.repository import ModelRepository
+    from sixfold.backends.options import load_options_file, parse_option
 
     if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:
         raise ValueError("--model-control-mode explicit lets clients load and unload models: give --control-token "
@@ -288,7 +288,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     port = await server.start()
     watcher = None
     if args.watch_deltas:
-        from .deltas import DeltaWatcher
+        from sixfold.server.deltas.delta_log import DeltaWatcher
         watcher = DeltaWatcher(core, args.watch_deltas)
         watcher.start()
     scheme = "https" if config.tls_cert else "http"
@@ -327,15 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.as_worker is not None:
         follow_supervisor()
-    keep_freed_memory()  # first: it binds only threads that have not allocated yet (server.allocator)
+    keep_freed_memory()  # first: it binds only threads that have not allocated yet (sixfold.server.memory.allocator)
     configure_logging(args.log_level, args.log_format)
     console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
     if args.list_backends:
-        from backends.registry import describe
+        from sixfold.backends.registry import describe
         print(describe())
         return 0
     if args.list_specs:
-        from backends.spec_catalog import describe_specs
+        from sixfold.backends.spec_catalog import describe_specs
         print(describe_specs())
         return 0
     if not args.model and not args.model_repository:
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
               "log is kept per version)", file=sys.stderr)
         return 2
     if args.workers > 1 and args.as_worker is None:
-        from .workers import serve_workers
+        from sixfold.server.workers.supervisor import serve_workers
         return serve_workers(argv if argv is not None else sys.argv[1:], args.workers, host=args.host,
                              grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_token=args.metrics_token or None,

@@ -6,12 +6,12 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .errors import ModelNotFound, Unavailable
-from .model import ServedModel
-from .shared_memory import SharedMemoryRegistry
+from sixfold.server.errors import ModelNotFound, Unavailable
+from sixfold.server.model.served import ServedModel
+from sixfold.server.protocol.shared_memory import SharedMemoryRegistry
 
 if TYPE_CHECKING:  # the core holds its siblings; only the front ends' setup makes them (transport code)
-    from .siblings import Siblings
+    from sixfold.server.workers.siblings import Siblings
 
 __all__ = ["InferenceCore"]
 

@@ -3,11 +3,11 @@
 A discrete-event simulation in which the server's real ``DynamicBatcher`` and
 ``PlanRuntime`` (batching, admission, host-dense tuning, query splitting, routing, card
 deadlines) run unchanged on an asyncio loop whose clock is virtual
-(``simulate.vloop``); host and card stages are FIFO servers priced by the partitioner's
-cost model (``simulate.platform``, ``simulate.devices``); traffic comes from loadgen's
-arrival and query-size models or a recording (``simulate.traffic``).
+(``sixfold.simulate.vloop``); host and card stages are FIFO servers priced by the partitioner's
+cost model (``sixfold.simulate.platform``, ``sixfold.simulate.devices``); traffic comes from loadgen's
+arrival and query-size models or a recording (``sixfold.simulate.traffic``).
 
-    from simulate import build_platform, parse_traffic, run_at, max_rate, ServingSettings
+    from sixfold.simulate import build_platform, parse_traffic, run_at, max_rate, ServingSettings
     platform = build_platform("dlrm-mlperf", cards=6, card_spec="gpu-l4")
     result = run_at(platform, parse_traffic("poisson", "mlperf"), 5000, duration_s=10, warmup_s=1,
                     settings=ServingSettings())
@@ -18,12 +18,12 @@ partitioner, backends and models; nothing imports it), because server must not i
 loadgen and loadgen never imports server.
 """
 
-from .capacity import (CardsAnswer, ImpossibleTarget, MaxRate, fewest_cards, latency_curve, lone_query_ms, max_rate,
+from sixfold.simulate.capacity import (CardsAnswer, ImpossibleTarget, MaxRate, fewest_cards, latency_curve, lone_query_ms, max_rate,
                        run_at)
-from .engine import RunResult, ServingSettings, simulate
-from .platform import Platform, StageModel, build_platform
-from .traffic import Arrivals, Traffic, parse_traffic
-from .vloop import SimulationDeadlock, SimulationLimit, VirtualTimeLoop, run_virtual
+from sixfold.simulate.engine import RunResult, ServingSettings, simulate
+from sixfold.simulate.platform import Platform, StageModel, build_platform
+from sixfold.simulate.traffic import Arrivals, Traffic, parse_traffic
+from sixfold.simulate.vloop import SimulationDeadlock, SimulationLimit, VirtualTimeLoop, run_virtual
 
 __all__ = ["build_platform", "Platform", "StageModel", "Traffic", "Arrivals", "parse_traffic", "ServingSettings",
            "RunResult", "simulate", "run_at", "latency_curve", "max_rate", "MaxRate", "fewest_cards", "CardsAnswer",

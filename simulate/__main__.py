@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from sixfold.simulate.cli import main
 
 sys.exit(main())

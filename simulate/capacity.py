@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import RunResult, ServingSettings, simulate
-from .platform import Platform, build_platform
-from .traffic import Arrivals, Traffic
+from sixfold.simulate.engine import RunResult, ServingSettings, simulate
+from sixfold.simulate.platform import Platform, build_platform
+from sixfold.simulate.traffic import Arrivals, Traffic
 
 __all__ = ["ImpossibleTarget", "Step", "MaxRate", "CardsAnswer", "lone_query_ms", "run_at", "latency_curve",
            "max_rate", "fewest_cards"]

@@ -18,15 +18,15 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-import models
+from sixfold import models
 
-from .capacity import fewest_cards, latency_curve, max_rate
-from .engine import ServingSettings
-from .platform import build_platform
-from .report import (cards_table, max_rate_table, plot_cards, plot_curves, plot_max_rates, result_dict, runs_table,
+from sixfold.simulate.capacity import fewest_cards, latency_curve, max_rate
+from sixfold.simulate.engine import ServingSettings
+from sixfold.simulate.platform import build_platform
+from sixfold.simulate.report import (cards_table, max_rate_table, plot_cards, plot_curves, plot_max_rates, result_dict, runs_table,
                      write_json)
-from .traffic import Traffic, parse_traffic
-from .vloop import SimulationDeadlock, SimulationLimit
+from sixfold.simulate.traffic import Traffic, parse_traffic
+from sixfold.simulate.vloop import SimulationDeadlock, SimulationLimit
 
 __all__ = ["main", "SERVE_FLAGS"]
 
@@ -38,7 +38,7 @@ SERVE_FLAGS = ("max_batch_rows", "no_wait_rows", "max_queue_delay_us", "max_queu
 
 
 def _add_serve_flags(group: argparse._ArgumentGroup) -> None:
-    from server.cli import _parser as serve_parser
+    from sixfold.server.cli import _parser as serve_parser
     # NOTE: copied from sixfold-serve's parser, so a flag means here what it means there.
     for action in serve_parser()._actions:
         if action.dest in SERVE_FLAGS:
@@ -54,7 +54,7 @@ def _add_serve_flags(group: argparse._ArgumentGroup) -> None:
 
 def serving_settings(args: argparse.Namespace) -> ServingSettings:
     """The scheduling settings sixfold-serve would build from the same flags."""
-    from server.batcher import BatchingConfig
+    from sixfold.server.scheduling.batcher import BatchingConfig
     try:
         extra = {"no_wait_rows": args.no_wait_rows} if hasattr(args, "no_wait_rows") else {}
         extra["all_in_dispatch"] = not getattr(args, "no_all_in_dispatch", False)

@@ -3,7 +3,7 @@
 Each stands where the server loads a real one (``Executable``), so the runtime, router and
 card health treat it as they treat a card or the host stage. A stage is one FIFO server
 with its own queue, like a backend's one worker thread or a simulated card
-(``backends.simcard``): a batch arriving at ``t`` starts at ``max(t, busy_until)`` and is
+(``sixfold.backends.builtin.simcard``): a batch arriving at ``t`` starts at ``max(t, busy_until)`` and is
 answered ``StageModel.seconds(rows)`` later. Busy time inside the measured window is
 counted, for utilisation.
 
@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Mapping, Sequence
 
 import numpy as np
 
-from backends.api import Arrays, Executable, PartitionArtifact
-from models.signature import DENSE, INDICES, SCORES
+from sixfold.backends.api import Arrays, Executable, PartitionArtifact
+from sixfold.models.signature import DENSE, INDICES, SCORES
 
-from .platform import StageModel
+from sixfold.simulate.platform import StageModel
 
 __all__ = ["Server", "VirtualStage", "VirtualLane", "POOLED", "empty_rows"]
 
@@ -120,7 +120,7 @@ class VirtualStage(Executable):
 class VirtualLane(Executable):
     """A card (one stage) or a pipeline replica (its stages in order, each its own FIFO card).
 
-    ``expected_seconds`` is what ``server.card_health`` prices a batch by, as it does a
+    ``expected_seconds`` is what ``sixfold.server.execution.card_health`` prices a batch by, as it does a
     simulated card's: the cost model's time of the lane's stages, summed.
     """
 

@@ -1,12 +1,12 @@
 """One simulated run: traffic through sixfold's own batcher and runtime, on a virtual clock.
 
-What runs is the serving code itself, built as ``server.loader`` builds it: a
+What runs is the serving code itself, built as ``sixfold.server.loading.loader`` builds it: a
 ``DynamicBatcher`` (priority queues, batching window, admission by count, work and
-timeout, with ``server.admission.PlanCost`` from the plan) feeding ``PlanRuntime.run``
+timeout, with ``sixfold.server.scheduling.admission.PlanCost`` from the plan) feeding ``PlanRuntime.run``
 (host stage, host-dense tuning, query splitting over idle cards, the least-loaded
 router, card deadlines and hedging). Only the executables are virtual
-(``simulate.devices``): each stage is a FIFO server whose service time is the cost
-model's. The loop is ``simulate.vloop.VirtualTimeLoop``, so every ``sleep``, timer and
+(``sixfold.simulate.devices``): each stage is a FIFO server whose service time is the cost
+model's. The loop is ``sixfold.simulate.vloop.VirtualTimeLoop``, so every ``sleep``, timer and
 timeout in that code takes simulated seconds and no real ones.
 
 The front end (gRPC decode, validation, encode) is one more FIFO server: each request
@@ -29,17 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.stats import percentiles
-from models.signature import DENSE, INDICES
-from server.admission import PlanCost
-from server.batcher import (DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US, BatchingConfig, DynamicBatcher)
-from server.errors import ServingError
-from server.runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
+from sixfold.loadgen.stats import percentiles
+from sixfold.models.signature import DENSE, INDICES
+from sixfold.server.scheduling.admission import PlanCost
+from sixfold.server.scheduling.batcher import (DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US, BatchingConfig, DynamicBatcher)
+from sixfold.server.errors import ServingError
+from sixfold.server.execution.runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
 
-from .devices import POOLED, Server, VirtualLane, VirtualStage, empty_rows
-from .platform import Platform
-from .traffic import Arrivals
-from .vloop import run_virtual
+from sixfold.simulate.devices import POOLED, Server, VirtualLane, VirtualStage, empty_rows
+from sixfold.simulate.platform import Platform
+from sixfold.simulate.traffic import Arrivals
+from sixfold.simulate.vloop import run_virtual
 
 __all__ = ["ServingSettings", "RunResult", "simulate", "EVENTS_PER_REQUEST"]
 
@@ -149,7 +149,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
     ``progress(virtual_now, virtual_end)`` is called every few thousand requests. The run is
     bounded: ``max_events`` loop callbacks (default ``EVENTS_PER_REQUEST`` per request) and a
     virtual time of the traffic's span plus 10 minutes; past either it raises
-    ``simulate.vloop.SimulationLimit``.
+    ``sixfold.simulate.vloop.SimulationLimit``.
 
     ``jobs`` > 1 cuts the measured window into that many consecutive segments simulated at once
     in as many processes (time-parallel simulation): each segment starts ``overlap_s`` earlier

@@ -1,7 +1,7 @@
 """A platform to simulate: a model's plan on a host and N cards, each stage priced by the cost model.
 
 ``build_platform`` partitions a built-in model (plan only: no ONNX export) and keeps, per
-stage, what ``partitioner.cost.stage_seconds`` needs to price a batch of any size on its
+stage, what ``sixfold.partitioner.pricing.cost.stage_seconds`` needs to price a batch of any size on its
 device: the ``PartitionCost`` (with its op profile, so a calibrated host spec prices the
 host stage op by op) and the bytes per item crossing the device's link. Those are the
 figures the printed plan's estimates come from, so the simulation and the plan agree.
@@ -12,9 +12,9 @@ model (dlrm-mlperf: ~90 GiB of tables) could not be built here. The full-size ta
 still counted, from the model's config, against the host spec's memory.
 
 Precisions: ``table_precision`` prices each looked-up row at its packed size
-(``backends.host_embedding.bytes_per_row``); ``dense_precision`` "fp16" ("int8") prices the dense
+(``sixfold.backends.host.host_embedding.bytes_per_row``); ``dense_precision`` "fp16" ("int8") prices the dense
 partition at the card's fp16 (int8) peak with half (a quarter of) its weight bytes (what
-``partitioner.precision.apply_dense_precision`` does to the plan).
+``sixfold.partitioner.precision.dense.apply_dense_precision`` does to the plan).
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-import models
-from backends.host_embedding import PRECISIONS, bytes_per_row
-from backends.spec import DeviceSpec, load_spec
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
-from partitioner.cost import PartitionCost, stage_seconds
-from partitioner.plan import PartitionPlan
-from partitioner.precision import DENSE_PRECISIONS
-from partitioner.strategy import ACTIVATION_HEADROOM
-from server.admission import PER_REQUEST_S
+from sixfold import models
+from sixfold.backends.host.host_embedding import PRECISIONS, bytes_per_row
+from sixfold.backends.spec import DeviceSpec
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
+from sixfold.partitioner.pricing.cost import PartitionCost, stage_seconds
+from sixfold.partitioner.plan import PartitionPlan
+from sixfold.partitioner.precision.dense import DENSE_PRECISIONS
+from sixfold.partitioner.placement.strategy import ACTIVATION_HEADROOM
+from sixfold.server.scheduling.admission import PER_REQUEST_S
 
 __all__ = ["StageModel", "MeasuredStage", "fit_stage", "Platform", "build_platform", "resolve_spec", "PROBE_ROWS", "DENSE_PRECISIONS"]
 
@@ -246,7 +248,7 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
         lanes = [replicas[r] for r in sorted(replicas)]
     dense_on_host = None
     if host_dense and stages == [DENSE_PARTITION]:
-        # NOTE: as server.loader: the dense ONNX on onnxruntime on the host, priced on the host spec (no link).
+        # NOTE: as sixfold.server.loading.loader: the dense ONNX on onnxruntime on the host, priced on the host spec (no link).
         dense_on_host = StageModel("host-dense", host, _dense_precision(partitioned.costs[DENSE_PARTITION],
                                                                         dense_precision))
     return Platform(model=model, plan=plan, host=host_stage, lanes=lanes, host_dense=dense_on_host,

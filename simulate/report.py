@@ -9,8 +9,8 @@ from typing import Any
 
 from rich.table import Table
 
-from .capacity import CardsAnswer, MaxRate
-from .engine import RunResult
+from sixfold.simulate.capacity import CardsAnswer, MaxRate
+from sixfold.simulate.engine import RunResult
 
 __all__ = ["runs_table", "max_rate_table", "cards_table", "plot_curves", "plot_max_rates", "plot_cards",
            "write_json", "result_dict"]

@@ -1,7 +1,7 @@
 """Simulated traffic: loadgen's arrival processes and query-size models, or a recorded run.
 
 ``Traffic`` draws an ``Arrivals`` (when each query arrives, its items and its ids) for a
-rate and a window, with ``loadgen.arrivals`` and ``models.requests`` (the same
+rate and a window, with ``sixfold.loadgen.arrivals`` and ``sixfold.models.requests`` (the same
 ``--arrival`` and ``--query-size`` forms as ``sixfold-loadgen``). Arrival times and sizes
 come from two seeded streams, so two rates with one seed share their random numbers
 (the gaps scale with the rate, the sizes stay): a rate search compares like with like.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadgen.arrivals import ArrivalProcess, PoissonArrivals, TraceArrivals, parse_arrival
-from models.requests import MLPerfQuerySizes, QuerySizes, parse_query_sizes
+from sixfold.loadgen.arrivals import ArrivalProcess, PoissonArrivals, TraceArrivals, parse_arrival
+from sixfold.models.requests import MLPerfQuerySizes, QuerySizes, parse_query_sizes
 
 __all__ = ["Arrivals", "Traffic", "parse_traffic"]
 
@@ -101,7 +101,7 @@ class Traffic:
     @classmethod
     def from_recording(cls, path: str) -> "Traffic":
         """A ``sixfold-loadgen --record`` file: its requests' times, items and ids."""
-        from loadgen.recording import load_recording
+        from sixfold.loadgen.recording import load_recording
 
         try:
             rec = load_recording(path)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.process import ReadyProcess
+from sixfold.server.workers.process import ReadyProcess
 
 _DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int16): "INT16", np.dtype(np.int32): "INT32",
               np.dtype(np.int64): "INT64"}
@@ -20,7 +20,7 @@ def fresh_registry():
     """Rediscovers backends after the test. Request it before ``monkeypatch`` so it runs after
     monkeypatch is undone: the next test sees the real registry, not this test's SIXFOLD_BACKENDS."""
     yield
-    from backends.registry import discover
+    from sixfold.backends.registry import discover
     discover(reload=True)
 
 

@@ -1,7 +1,7 @@
 """Run an async test on a virtual clock: sleeps and timers take no real time and a busy machine
 cannot stretch them, so tests about order and timeouts are deterministic.
 
-The clock is sixfold-simulate's (``simulate.vloop.VirtualTimeLoop``): the loop jumps to its next
+The clock is sixfold-simulate's (``sixfold.simulate.vloop.VirtualTimeLoop``): the loop jumps to its next
 timer whenever nothing is ready. Code under test must read time from the loop
 (``asyncio.get_running_loop().time``), e.g. ``DynamicBatcher(..., clock=loop_clock())``.
 """
@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from simulate.vloop import run_virtual
+from sixfold.simulate.vloop import run_virtual
 
 __all__ = ["virtual_time", "loop_clock"]
 

@@ -1,6 +1,6 @@
 """The backend conformance kit: does a backend give ONNX Runtime's answers, and behave like a card?
 
-    python -m backends.conformance NAME [--models rm2,dlrm-mlperf] [--max-batch 64] [--max-rows 200]
+    python -m sixfold.backends.conformance NAME [--models rm2,dlrm-mlperf] [--max-batch 64] [--max-rows 200]
                                         [--option k=v ...] [--options-file FILE] [--card-spec m2-card]
 
 It builds the dense partitions of built-in models (small tables), feeds them
@@ -30,10 +30,10 @@ Python API, ``run_conformance(name_or_instance, ...)``, returns a
 ``ConformanceReport``.
 """
 
-from .cases import DEFAULT_MODELS, Case, builtin_case, builtin_cases, case_from_artifact
-from .kit import CHECKS, CheckFailed, rows_per_item, run_conformance, run_conformance_async
-from .ops import dense_ops, op_cases
-from .report import CheckResult, ConformanceReport
+from sixfold.backends.conformance.cases import DEFAULT_MODELS, Case, builtin_case, builtin_cases, case_from_artifact
+from sixfold.backends.conformance.kit import CHECKS, CheckFailed, rows_per_item, run_conformance, run_conformance_async
+from sixfold.backends.conformance.ops import dense_ops, op_cases
+from sixfold.backends.conformance.report import CheckResult, ConformanceReport
 
 __all__ = [
     "run_conformance", "run_conformance_async", "CHECKS", "CheckFailed",

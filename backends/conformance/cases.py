@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..api import Arrays, PartitionArtifact
+from sixfold.backends.api import Arrays, PartitionArtifact
 
 __all__ = ["Case", "Reference", "case_from_artifact", "builtin_case", "builtin_cases", "case_source", "DEFAULT_MODELS"]
 
@@ -94,7 +94,7 @@ def case_source() -> Any:
     """The installed source of model cases (entry point ``sixfold.conformance_cases``).
 
     NOTE: found at run time, like backends, so this package imports nothing
-    above it; the sixfold distribution registers its zoo (partitioner.conformance_cases).
+    above it; the sixfold distribution registers its zoo (sixfold.partitioner.conformance_cases).
     """
     from importlib.metadata import entry_points
     for entry in entry_points(group=CASES_GROUP):

@@ -1,4 +1,4 @@
-"""``python -m backends.conformance``: run the kit on a registered backend and print a table."""
+"""``python -m sixfold.backends.conformance``: run the kit on a registered backend and print a table."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import os
 import sys
 from pathlib import Path
 
-from ..options import load_options_file, parse_option
-from .cases import DEFAULT_MODELS
-from .kit import CHECKS, run_conformance
+from sixfold.backends.options import load_options_file, parse_option
+from sixfold.backends.conformance.cases import DEFAULT_MODELS
+from sixfold.backends.conformance.kit import CHECKS, run_conformance
 
 __all__ = ["main", "parse_option"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m backends.conformance",
+    p = argparse.ArgumentParser(prog="python -m sixfold.backends.conformance",
                                 description="Check a registered sixfold backend against ONNX Runtime.")
     p.add_argument("backend", nargs="?", help="entry-point name of the backend (see --list)")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -47,25 +47,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from rich.console import Console
 
-    from ..api import BackendError
-    from ..registry import describe
+    from sixfold.backends.api import BackendError
+    from sixfold.backends.registry import describe
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
     if args.list:
         print(describe())
         return 0
     if args.list_specs:
-        from ..spec_catalog import describe_specs
+        from sixfold.backends.spec_catalog import describe_specs
         print(describe_specs())
         return 0
     if args.list_ops:
-        from .ops import dense_ops, markdown_table
+        from sixfold.backends.conformance.ops import dense_ops, markdown_table
         print(markdown_table(dense_ops()))
         return 0
     if not args.backend:
         print("conformance: name a backend (see --list)", file=sys.stderr)
         return 2
-    from .cases import case_source
+    from sixfold.backends.conformance.cases import case_source
     names = case_source().names() if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     try:
         options = load_options_file(args.options_file) if args.options_file else {}

@@ -19,18 +19,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..api import Arrays, Backend, DoesNotFit, Executable
-from ..memory import format_bytes
-from ..spec import DeviceSpec, load_spec
-from .cases import DEFAULT_MODELS, Case, Reference, builtin_cases
-from .report import CheckResult, ConformanceReport
+from sixfold.backends.api import Arrays, Backend, DoesNotFit, Executable
+from sixfold.backends.memory import format_bytes
+from sixfold.backends.spec import DeviceSpec
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.backends.conformance.cases import DEFAULT_MODELS, Case, Reference, builtin_cases
+from sixfold.backends.conformance.report import CheckResult, ConformanceReport
 
 __all__ = ["CHECKS", "run_conformance", "run_conformance_async", "CheckFailed", "rows_per_item"]
 
 CHECKS: tuple[str, ...] = ("load", "memory", "outputs", "items", "concurrency", "bad-input", "does-not-fit",
                            "close", "op")
 """Every check, in the order they run on each case. "load" always runs: the others need it. "op" runs
-on the one-node op cases (``backends.conformance.ops``: every ONNX op use of the zoo's dense
+on the one-node op cases (``sixfold.backends.conformance.ops``: every ONNX op use of the zoo's dense
 partitions), which run only "load" and "op"; the model cases run the rest."""
 
 T = TypeVar("T")
@@ -150,7 +151,7 @@ async def check_load(ctx: _Context) -> str:
     if not isinstance(ctx.main, Executable):
         got = type(ctx.main).__name__
         ctx.main = None
-        raise CheckFailed(f"load() returned {got}, not a backends.api.Executable")
+        raise CheckFailed(f"load() returned {got}, not a sixfold.backends.api.Executable")
     return (f"{art.format} partition, {len(art.input_names)} inputs, {format_bytes(art.param_bytes)} "
             f"weights, loaded in {time.perf_counter() - t0:.2f}s")
 
@@ -454,7 +455,7 @@ def _backend(backend: str | Backend, options: Mapping[str, Any]) -> tuple[Backen
         if options:
             raise ValueError("options are for a backend given by name; configure an instance yourself")
         return backend, getattr(backend, "name", type(backend).__name__)
-    from ..registry import get_backend
+    from sixfold.backends.registry import get_backend
     return get_backend(backend, **options), backend
 
 
@@ -505,7 +506,7 @@ async def run_conformance_async(backend: str | Backend, *, models: Iterable[str]
     case_list = list(cases) if cases is not None else builtin_cases(
         list(models), max_batch=max_batch, max_rows=max_rows, seed=seed)
     if cases is None and ops and "op" in checks:
-        from .ops import op_cases
+        from sixfold.backends.conformance.ops import op_cases
         case_list += op_cases(seed)
     report = ConformanceReport(backend=name, options=options, device=spec.name)
     for case in case_list:

@@ -7,7 +7,7 @@ attributes, and its inputs (dtype; shape, with dims that grow with the batch
 written as ``{"per_item": k}``; constants' integer values, e.g. a Reshape's
 shape or a Gather's indices). It is generated, never written by hand:
 ``python scripts/dense_ops.py`` re-derives it (exporting every zoo model) and
-rewrites the table in docs/backends.md; ``tests/backends/test_dense_ops.py``
+rewrites the table in docs/backends.md; ``tests/backends/conformance/test_dense_ops.py``
 fails when either is stale.
 
 ``op_cases()`` turns each use into a one-node ONNX model (float constants
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..api import PartitionArtifact
-from .cases import Case, case_from_artifact
+from sixfold.backends.api import PartitionArtifact
+from sixfold.backends.conformance.cases import Case, case_from_artifact
 
 __all__ = ["DENSE_OPS_FILE", "dense_ops", "inventory", "markdown_table", "op_model", "op_cases", "OP_BATCH_SIZES"]
 

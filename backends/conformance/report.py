@@ -17,7 +17,7 @@ class CheckResult:
     case: str
     """The model whose dense partition was used."""
     check: str
-    """The check's name (see ``backends.conformance.CHECKS``)."""
+    """The check's name (see ``sixfold.backends.conformance.CHECKS``)."""
     outcome: Outcome
     """"pass", "fail", or "skip" (not run because an earlier check, e.g. load, failed; counts as not passed)."""
     seconds: float

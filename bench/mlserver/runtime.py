@@ -13,7 +13,7 @@ from mlserver import MLModel
 from mlserver.codecs import NumpyCodec
 from mlserver.types import InferenceRequest, InferenceResponse
 
-import models
+from sixfold import models
 
 _ORDER = ("dense_features", "sparse_lengths", "sparse_indices")
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # NOTE: .venv-mlserver does not install sixfold; the zoo is read from the checkout
 
-import models  # noqa: E402
+from sixfold import models  # noqa: E402
 
 
 def main() -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from backends.api import Backend, Executable, PartitionArtifact
-from backends.spec import DeviceSpec
+from sixfold.backends.api import Backend, Executable, PartitionArtifact
+from sixfold.backends.spec import DeviceSpec
 
 
 class NeedsDriver(Backend):

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from backends.api import Arrays, Backend, Executable, PartitionArtifact
-from backends.spec import DeviceSpec
+from sixfold.backends.api import Arrays, Backend, Executable, PartitionArtifact
+from sixfold.backends.spec import DeviceSpec
 
 __all__ = ["Mlp", "mlp", "device", "FakeClock", "Clocked", "batch"]
 

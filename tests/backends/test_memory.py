@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backends.api import DoesNotFit, PartitionArtifact
-from backends.memory import check_fits, format_bytes
-from backends.spec import load_spec
+from sixfold.backends.api import DoesNotFit, PartitionArtifact
+from sixfold.backends.memory import check_fits, format_bytes
+from sixfold.backends.spec_catalog import load_spec
 
 GiB = 2**30
 

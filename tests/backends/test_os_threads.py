@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.api import Backend, BackendError, Executable, PartitionArtifact
-from backends.os_threads import os_thread_name
-from backends.spec import load_spec
+from sixfold.backends.api import Backend, BackendError, Executable, PartitionArtifact
+from sixfold.backends.os_threads import os_thread_name
+from sixfold.backends.spec_catalog import load_spec
 
 
 class _Echo(Executable):
@@ -50,7 +50,7 @@ def test_worker_thread_is_named_in_the_kernel() -> None:
 def test_a_thread_lowers_only_itself() -> None:
     import threading
 
-    from backends.os_threads import lower_this_thread
+    from sixfold.backends.os_threads import lower_this_thread
 
     seen: dict[str, int] = {}
 
@@ -68,7 +68,7 @@ def test_a_thread_lowers_only_itself() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
 def test_simulated_cards_compute_nicer_than_the_server() -> None:
-    from backends.simcard import DEFAULT_WORKER_NICE, SimCardBackend
+    from sixfold.backends.builtin.simcard import DEFAULT_WORKER_NICE, SimCardBackend
 
     main = os.getpriority(os.PRIO_PROCESS, 0)
     for options, expected in (({}, DEFAULT_WORKER_NICE), ({"worker_nice": 0}, 0)):

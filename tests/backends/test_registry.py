@@ -8,12 +8,12 @@ from importlib.metadata import EntryPoint, distribution
 
 import pytest
 
-from backends import registry
-from backends.api import BackendError
-from backends.onnxruntime_backend import OnnxRuntimeBackend
-from backends.registry import BackendNotFound, describe, discover, discover_from, get_backend
-from backends.simcard import SimCardBackend
-from backends.torch_backend import TorchBackend
+from sixfold.backends import registry
+from sixfold.backends.api import BackendError
+from sixfold.backends.builtin.onnxruntime_backend import OnnxRuntimeBackend
+from sixfold.backends.registry import BackendNotFound, describe, discover, discover_from, get_backend
+from sixfold.backends.builtin.simcard import SimCardBackend
+from sixfold.backends.builtin.torch_backend import TorchBackend
 from tests.backends.factories import batch, device, mlp
 
 GROUP = registry.ENTRY_POINT_GROUP
@@ -28,7 +28,7 @@ BROKEN = ep("broken", "sixfold_no_such_plugin.card:CardBackend")
 NOT_A_BACKEND = ep("ordered", "collections:OrderedDict")
 NEEDS_DRIVER = ep("needs-driver", "tests.backends.dummy_plugins:NeedsDriver")
 PROBE_RAISES = ep("probe-raises", "tests.backends.dummy_plugins:ProbeRaises")
-ORT = ep("onnxruntime", "backends.onnxruntime_backend:OnnxRuntimeBackend")
+ORT = ep("onnxruntime", "sixfold.backends.builtin.onnxruntime_backend:OnnxRuntimeBackend")
 
 
 @pytest.fixture(autouse=True)
@@ -86,14 +86,14 @@ def test_blank_allowlist_means_everything(monkeypatch):
 
 
 def test_allowlist_naming_no_registered_backend_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="backends.registry"):
+    with caplog.at_level(logging.WARNING, logger="sixfold.backends.registry"):
         found = discover_from([ORT], "onnxruntime,mycard")
     assert found["onnxruntime"].status == "ok"
     assert "mycard" in caplog.text
 
 
 def test_plugin_that_fails_to_import_is_logged_and_skipped(caplog):
-    with caplog.at_level(logging.ERROR, logger="backends.registry"):
+    with caplog.at_level(logging.ERROR, logger="sixfold.backends.registry"):
         found = discover_from([BROKEN, ORT])
     assert found["onnxruntime"].status == "ok"
     broken = found["broken"]
@@ -105,7 +105,7 @@ def test_plugin_that_fails_to_import_is_logged_and_skipped(caplog):
 def test_plugin_that_is_not_a_backend_subclass_fails():
     info = discover_from([NOT_A_BACKEND])["ordered"]
     assert info.status == "failed"
-    assert "not a subclass of backends.api.Backend" in info.reason
+    assert "not a subclass of sixfold.backends.api.Backend" in info.reason
 
 
 def test_unavailable_plugin_keeps_its_class_and_reason():
@@ -152,7 +152,7 @@ def test_describe_is_a_table_with_reasons(with_plugins):
     lines = describe().splitlines()
     assert lines[0].split() == ["NAME", "STATUS", "FORMATS", "ENTRY", "POINT"]
     rows = {line.split()[0]: i for i, line in enumerate(lines) if not line.startswith(" ")}
-    assert lines[rows["torch"]].split() == ["torch", "ok", "torch-fx", "backends.torch_backend:TorchBackend"]
+    assert lines[rows["torch"]].split() == ["torch", "ok", "torch-fx", "sixfold.backends.builtin.torch_backend:TorchBackend"]
     assert lines[rows["needs-driver"]].split()[1:3] == ["unavailable", "onnx"]
     assert lines[rows["needs-driver"] + 1] == "    libvendor.so.3 not found (install the vendor driver)"
     assert lines[rows["broken"]].split()[1] == "failed"

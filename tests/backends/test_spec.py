@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from backends.spec import SPEC_DIR, DeviceSpec, load_spec, spec_names
+from sixfold.backends.spec import SPEC_DIR, DeviceSpec, spec_names
+from sixfold.backends.spec_catalog import load_spec
 from tests.backends.factories import device
 
 

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from backends.spec import SPEC_DIR, DeviceSpec, load_spec
+from sixfold.backends.spec import SPEC_DIR, DeviceSpec
+from sixfold.backends.spec_catalog import load_spec
 from tests.backends.factories import device
 
 TABLE = ((1e4, 0.1), (1e6, 0.4), (1e9, 0.9))

@@ -9,9 +9,9 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from backends import registry, spec_catalog
-from backends.spec import load_spec
-from backends.spec_catalog import SpecConflict, UnknownSpec, describe_specs
+from sixfold.backends import registry, spec_catalog
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.backends.spec_catalog import SpecConflict, UnknownSpec, describe_specs
 from tests.backends.dummy_plugins import CLASHES_WITH_M2, VENDOR_CARD
 
 SPECS = spec_catalog.SPECS_GROUP
@@ -23,7 +23,7 @@ def ep(name: str, value: str, group: str) -> EntryPoint:
 
 BACKEND_EPS = [ep("ships-devices", "tests.backends.dummy_plugins:ShipsDevices", registry.ENTRY_POINT_GROUP),
                ep("devices-raise", "tests.backends.dummy_plugins:DevicesRaise", registry.ENTRY_POINT_GROUP),
-               ep("onnxruntime", "backends.onnxruntime_backend:OnnxRuntimeBackend", registry.ENTRY_POINT_GROUP)]
+               ep("onnxruntime", "sixfold.backends.builtin.onnxruntime_backend:OnnxRuntimeBackend", registry.ENTRY_POINT_GROUP)]
 
 
 @pytest.fixture

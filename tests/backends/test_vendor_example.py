@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as tc
 
-import models
-from backends import registry, spec_catalog
-from backends.spec import load_spec
-from backends.conformance import run_conformance
+from sixfold import models
+from sixfold.backends import registry, spec_catalog
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.backends.conformance import run_conformance
 from tests.conftest import ServeProcess, triton_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_a_broken_copy_fails_the_kit(tmp_path: Path) -> None:
                                          "zip(self.output_names, values)}"))
     target = tmp_path / "site"
     _install(source, target)
-    proc = subprocess.run([sys.executable, "-m", "backends.conformance", "numpy-ref", "--models", "rm2",
+    proc = subprocess.run([sys.executable, "-m", "sixfold.backends.conformance", "numpy-ref", "--models", "rm2",
                            "--max-batch", "4", "--checks", "outputs"],
                           env=_env(target), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -128,7 +128,7 @@ def test_sixfold_serve_runs_it(installed: Path) -> None:
 
 
 def test_sixfold_serve_defaults_to_the_backends_own_device_and_lists_every_spec(installed: Path) -> None:
-    probe = "from server.cli import _default_card_spec as d; print(d('numpy-ref'), d('simcard'))"
+    probe = "from sixfold.server.cli import _default_card_spec as d; print(d('numpy-ref'), d('simcard'))"
     proc = subprocess.run([sys.executable, "-c", probe], env=_env(installed), capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

@@ -21,9 +21,9 @@ def test_the_page_names_only_what_exists():
     text = PAGE.read_text()
     for name in ("Backend", "Executable", "DoesNotFit", "BackendError", "DeviceSpec"):
         assert f"`{name}" in text
-    import backends
+    from sixfold import backends
     assert all(hasattr(backends, n) for n in ("Backend", "Executable", "DoesNotFit", "BackendError", "DeviceSpec"))
-    from backends.conformance import CHECKS
+    from sixfold.backends.conformance import CHECKS
     for check in CHECKS:
         assert f"| `{check}` |" in text, f"the kit's {check} check is not described on the page"
     assert "sixfold.device_specs" in text and "sixfold.backends" in text

@@ -29,7 +29,7 @@ def test_the_entry_points_are_pyproject_s_scripts() -> None:
 
 def test_without_an_install_the_command_runs_from_the_checkout(tmp_path: Path) -> None:
     argv = command("sixfold-serve", bin_dir=tmp_path)  # no console script there: a lent machine with no install
-    assert argv[0] == sys.executable and "server.cli" in argv[-1]
+    assert argv[0] == sys.executable and "sixfold.server.cli" in argv[-1]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([*argv, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

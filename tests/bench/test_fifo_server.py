@@ -11,8 +11,8 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-import models
-from server.process import ReadyProcess
+from sixfold import models
+from sixfold.server.workers.process import ReadyProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, ROWS = "tiny", 100

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 # grandchild in the same group spins on its main thread.
 _CHILD = """
 import subprocess, sys, threading, time
-from backends.os_threads import name_this_thread, os_thread_name
+from sixfold.backends.os_threads import name_this_thread, os_thread_name
 def spin(name):
     name_this_thread(name)
     end = time.thread_time() + 0.6

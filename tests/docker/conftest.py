@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.process import ReadyProcess
+from sixfold.server.workers.process import ReadyProcess
 from tests.conftest import free_port
 from tests.docker.manifests import Dockerfile, container_ports, documents, only, serve_command
 

@@ -15,7 +15,7 @@ __all__ = ["DOCKER", "DRAIN_PHASES", "Dockerfile", "container_ports", "documents
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 DRAIN_PHASES = 4
-"""server.app.SixfoldServer.stop: queue drain, quiet period, REST close, gRPC close, each within the grace."""
+"""sixfold.server.app.SixfoldServer.stop: queue drain, quiet period, REST close, gRPC close, each within the grace."""
 
 
 def documents(folder: str) -> list[tuple[Path, dict[str, Any]]]:

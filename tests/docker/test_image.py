@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from loadgen.cli import build_parser as loadgen_parser
-from server.app import ServerConfig
-from server.cli import _parser
+from sixfold.loadgen.cli import build_parser as loadgen_parser
+from sixfold.server.app import ServerConfig
+from sixfold.server.cli import _parser
 from tests.docker.conftest import Pod
 from tests.docker.manifests import DOCKER, DRAIN_PHASES, Dockerfile
 

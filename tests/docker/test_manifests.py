@@ -23,12 +23,12 @@ import tritonclient.grpc as grpcclient
 import yaml
 from kubernetes.client import ApiClient
 
-import models
-from partitioner.artifacts import write_artifacts
-from partitioner.compile import partition_builtin
-from server.app import ServerConfig
-from server.cli import _parser
-from server.process import ReadyProcess
+from sixfold import models
+from sixfold.partitioner.artifacts import write_artifacts
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.server.app import ServerConfig
+from sixfold.server.cli import _parser
+from sixfold.server.workers.process import ReadyProcess
 from tests.conftest import free_port, triton_inputs
 from tests.docker import k8s_strict
 from tests.docker.conftest import SMALL_ROWS, Pod, deployment_container, start_like_the_pod

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from .fake_server import FakeModel, FakeServer
+from tests.loadgen.fake_server import FakeModel, FakeServer
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen import ConstantArrivals, PoissonArrivals, parse_arrival
+from sixfold.loadgen import ConstantArrivals, PoissonArrivals, parse_arrival
 
 
 def gaps(offsets: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The sixfold-loadgen command through loadgen.cli.main: report file, table, clean errors."""
+"""The sixfold-loadgen command through sixfold.loadgen.cli.main: report file, table, clean errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from loadgen.cli import main
+from sixfold.loadgen.cli import main
 from tests.conftest import free_port
 
 REPORT_KEYS = {"latency_ms", "achieved_qps", "requests", "items_per_s", "offered_qps", "duration_s",

@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from loadgen import OpenLoopDriver, RequestFailed, RunRecord
-from loadgen.record import ERROR, OK
+from sixfold.loadgen import OpenLoopDriver, RequestFailed, RunRecord
+from sixfold.loadgen.record import ERROR, OK
 
-from .fake_clock import FakeClock, running
+from tests.loadgen.fake_clock import FakeClock, running
 
 
 def items(n: int) -> np.ndarray:

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from loadgen import LoadConfig, LoadgenError, run_load_async
+from sixfold.loadgen import LoadConfig, LoadgenError, run_load_async
 from tests.conftest import free_port
 
-from .fake_server import Stall
+from tests.loadgen.fake_server import Stall
 
 
 def config(server, **kw) -> LoadConfig:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen.ideal import ideal_latencies, ideal_max_qps
-from models.requests import FixedQuerySizes, MLPerfQuerySizes
+from sixfold.loadgen.ideal import ideal_latencies, ideal_max_qps
+from sixfold.models.requests import FixedQuerySizes, MLPerfQuerySizes
 
 
 def test_latencies_follow_the_queue_by_hand() -> None:

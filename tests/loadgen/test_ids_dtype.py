@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-import models
-from loadgen import LoadConfig, LoadgenError
-from loadgen.transport import RawGrpcTransport, make_transport, wire_tensors
+from sixfold import models
+from sixfold.loadgen import LoadConfig, LoadgenError
+from sixfold.loadgen.transport import RawGrpcTransport, make_transport, wire_tensors
 
 
 def _query(items: int = 5) -> dict[str, np.ndarray]:
@@ -45,7 +45,7 @@ def test_bad_ids_dtype_is_refused_by_config_and_transport():
 
 
 def test_the_cli_flag_reaches_the_config():
-    from loadgen.cli import _config, build_parser
+    from sixfold.loadgen.cli import _config, build_parser
 
     args = build_parser().parse_args(["--url", "127.0.0.1:1", "--model", "rm2", "--qps", "5", "--duration", "1",
                                       "--report", "r.json", "--ids-dtype", "int32"])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.cli import main
-from loadgen.mlperf import parse_summary
+from sixfold.loadgen.cli import main
+from sixfold.loadgen.mlperf import parse_summary
 from tests.conftest import ServeProcess, free_port
 
 MODEL = "dlrm-mlperf"

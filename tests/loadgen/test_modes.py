@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from loadgen import LoadConfig, SweepConfig, find_max_qps_async, load_recording, run_load_async
-from loadgen.cli import main
-from loadgen.export import export_perf_analyzer_async
+from sixfold.loadgen import LoadConfig, SweepConfig, find_max_qps_async, load_recording, run_load_async
+from sixfold.loadgen.cli import main
+from sixfold.loadgen.export import export_perf_analyzer_async
 
 
 def config(server, **kw) -> LoadConfig:

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from loadgen.cli import main
-from loadgen.config import LoadConfig
-from loadgen.arrivals import parse_arrival
-from loadgen.multiprocess import run_load_processes, split_config
+from sixfold.loadgen.cli import main
+from sixfold.loadgen.config import LoadConfig
+from sixfold.loadgen.arrivals import parse_arrival
+from sixfold.loadgen.multiprocess import run_load_processes, split_config
 
 
 def _config(server, **fields) -> LoadConfig:

@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from loadgen import LoadConfig, load_recording, run_load_async, save_recording
-from loadgen.cli import main
-from loadgen.errors import LoadgenError
-from loadgen.record import RunRecord
-from loadgen.recording import RECORDING_SCHEMA_V1
-from loadgen.runner import plan_run
-from loadgen.target import ModelShape
-from models.signature import DENSE, INDICES, LENGTHS
+from sixfold.loadgen import LoadConfig, load_recording, run_load_async, save_recording
+from sixfold.loadgen.cli import main
+from sixfold.loadgen.errors import LoadgenError
+from sixfold.loadgen.record import RunRecord
+from sixfold.loadgen.recording import RECORDING_SCHEMA_V1
+from sixfold.loadgen.runner import plan_run
+from sixfold.loadgen.target import ModelShape
+from sixfold.models.signature import DENSE, INDICES, LENGTHS
 
 # Big enough that storing the pool shows: 10 tables x pooling 20 x 200 items = 40k ids (320 KB) per query.
 SHAPE = ModelShape(dense_dim=16, table_rows=(500_000,) * 10, pooling=(20,) * 10, zipf=1.05)

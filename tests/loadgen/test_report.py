@@ -9,9 +9,9 @@ import json
 import numpy as np
 from rich.console import Console
 
-from loadgen import LoadConfig, RunRecord, print_report, summarize
-from loadgen.report import generator_fell_behind
-from loadgen.progress import progress_line
+from sixfold.loadgen import LoadConfig, RunRecord, print_report, summarize
+from sixfold.loadgen.report import generator_fell_behind
+from sixfold.loadgen.progress import progress_line
 
 CONFIG = LoadConfig(url="127.0.0.1:1", model="m", qps=100.0, duration_s=1.0)
 
@@ -60,8 +60,8 @@ def test_progress_line():
 
 
 async def test_live_progress_on_a_terminal_and_off_it():
-    from loadgen import MonotonicClock
-    from loadgen.progress import live_progress
+    from sixfold.loadgen import MonotonicClock
+    from sixfold.loadgen.progress import live_progress
 
     rec = record()
     for terminal in (True, False):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen import ConstantArrivals, build_schedule
-from models.requests import MLPERF_QUANTILES, RequestGenerator, parse_query_sizes
+from sixfold.loadgen import ConstantArrivals, build_schedule
+from sixfold.models.requests import MLPERF_QUANTILES, RequestGenerator, parse_query_sizes
 
 
 def plan(query_size: str, *, qps: float = 2000.0, window_s: float = 10.0, pool: int = 14, seed: int = 0):

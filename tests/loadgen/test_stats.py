@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen import RunRecord
-from loadgen.stats import percentiles, timeline, window_stats
+from sixfold.loadgen import RunRecord
+from sixfold.loadgen.stats import percentiles, timeline, window_stats
 
 
 def test_percentiles_are_nearest_rank():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from loadgen import LoadgenError, ShapeOverrides, shape_from
+from sixfold.loadgen import LoadgenError, ShapeOverrides, shape_from
 
 T = service_pb2.ModelMetadataResponse.TensorMetadata
 
@@ -57,9 +57,9 @@ def test_not_a_recommendation_model():
 def test_a_model_traced_at_one_pooling_gets_exactly_that_many_ids():
     import numpy as np
 
-    from loadgen import LoadConfig, plan_run
-    from loadgen.runner import generator_for
-    from loadgen.schedule import PoolRecipe, pool_tensors
+    from sixfold.loadgen import LoadConfig, plan_run
+    from sixfold.loadgen.runner import generator_for
+    from sixfold.loadgen.schedule import PoolRecipe, pool_tensors
 
     shape = shape_from(metadata(), config(table_rows="10,20,30,40", pooling="1,2,3,4", fixed_pooling="true"))
     assert shape.fixed_pooling and shape.to_dict()["fixed_pooling"] is True

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen import BurstyArrivals, ConstantArrivals, DiurnalArrivals, TraceArrivals, build_schedule, parse_arrival
-from loadgen.schedule import shift_ids
-from models.requests import (EmpiricalQuerySizes, LognormalQuerySizes, RequestGenerator, UniformQuerySizes,
+from sixfold.loadgen import BurstyArrivals, ConstantArrivals, DiurnalArrivals, TraceArrivals, build_schedule, parse_arrival
+from sixfold.loadgen.schedule import shift_ids
+from sixfold.models.requests import (EmpiricalQuerySizes, LognormalQuerySizes, RequestGenerator, UniformQuerySizes,
                              parse_query_sizes)
 
 

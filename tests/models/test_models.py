@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import models
-from models import DENSE, INDICES, LENGTHS
+from sixfold import models
+from sixfold.models import DENSE, INDICES, LENGTHS
 
 
 def _inputs(config: models.ModelConfig, items: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

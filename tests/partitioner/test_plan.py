@@ -10,13 +10,14 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import models
-from backends.spec import load_spec
-from partitioner.artifacts import write_artifacts
-from partitioner.cli import main as partition_main
-from partitioner.compile import DENSE_PARTITION, HOST_PARTITION, partition_builtin
-from partitioner.plan import PartitionPlan
-from partitioner.strategy import PlanError
+from sixfold import models
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.partitioner.artifacts import write_artifacts
+from sixfold.partitioner.cli import main as partition_main
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
+from sixfold.partitioner.plan import PartitionPlan
+from sixfold.partitioner.placement.strategy import PlanError
 
 
 @pytest.fixture(scope="module")

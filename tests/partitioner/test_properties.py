@@ -27,15 +27,15 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from backends.spec import load_spec
-from models import DENSE, INDICES, LENGTHS
-from partitioner.cost import PartitionCost, module_param_bytes
-from partitioner.frontend import export_model
-from partitioner.graph_cut import cut_graph
-from partitioner.pipeline import compute_nodes, node_costs, run_stages, split_stages
-from partitioner.plan import DeviceInfo
-from partitioner.sparse_dense import assign_sparse_dense
-from partitioner.strategy import ACTIVATION_HEADROOM, PlanError, pipeline, replicate
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.models import DENSE, INDICES, LENGTHS
+from sixfold.partitioner.pricing.cost import PartitionCost, module_param_bytes
+from sixfold.partitioner.frontends.torch_frontend import export_model
+from sixfold.partitioner.cut.graph_cut import cut_graph
+from sixfold.partitioner.cut.pipeline import compute_nodes, node_costs, run_stages, split_stages
+from sixfold.partitioner.plan import DeviceInfo
+from sixfold.partitioner.cut.sparse_dense import assign_sparse_dense
+from sixfold.partitioner.placement.strategy import ACTIVATION_HEADROOM, PlanError, pipeline, replicate
 
 HEADROOM = ACTIVATION_HEADROOM
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from partitioner.compile import partition_builtin
-from server.app import BackgroundServer, ServerConfig
-from server.batcher import BatchingConfig
-from server.core import InferenceCore
-from server.loader import load_partitioned
-from server.metrics import ServerMetrics
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.server.app import BackgroundServer, ServerConfig
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.server.core import InferenceCore
+from sixfold.server.loading.loader import load_partitioned
+from sixfold.server.observability.metrics import ServerMetrics
 from tests.conftest import free_port
 
 MAX_ROWS = 2000

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cli import main as partition_main
+from sixfold.partitioner.cli import main as partition_main
 from tests.conftest import ServeProcess, free_port
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bring-your-own-model.md"

@@ -14,7 +14,7 @@ import numpy as np
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-import models
+from sixfold import models
 from tests.conftest import ServeProcess, free_port, triton_inputs
 
 SERVE = Path(sys.executable).parent / "sixfold-serve"

@@ -17,13 +17,13 @@ import tritonclient.grpc as tc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-import models
-from partitioner.compile import partition_builtin
-from server.app import BackgroundServer, ServerConfig
-from server.batcher import BatchingConfig
-from server.core import InferenceCore
-from server.loader import load_partitioned
-from server.metrics import ServerMetrics
+from sixfold import models
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.server.app import BackgroundServer, ServerConfig
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.server.core import InferenceCore
+from sixfold.server.loading.loader import load_partitioned
+from sixfold.server.observability.metrics import ServerMetrics
 from tests.conftest import triton_inputs
 
 

@@ -14,10 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-import models
+from sixfold import models
 from tests.conftest import triton_inputs
 
-from .conftest import MAX_ROWS
+from tests.server.conftest import MAX_ROWS
 
 ATOL = 1e-4
 
@@ -97,7 +97,7 @@ def test_int32_ids_score_like_int64_ones(client, served_rm2, gen, items: int) ->
 
 @pytest.mark.parametrize("transport", ["raw", "tritonclient"])
 async def test_a_loadgen_run_with_int32_ids_is_served_without_errors(served_rm2, transport: str) -> None:
-    from loadgen import LoadConfig, run_load_async
+    from sixfold.loadgen import LoadConfig, run_load_async
 
     config = LoadConfig(url=served_rm2.url, model="rm2", qps=20.0, duration_s=1.0, query_size="mlperf",
                         wait_ready_s=10.0, drain_timeout_s=10.0, pool=4, arrival="constant", client=transport,
@@ -262,11 +262,11 @@ def test_streaming_answers_every_request_including_errors(served_rm2, gen) -> No
 
 def _serve_and_score(partitioned, backend: str, request: dict[str, np.ndarray]) -> np.ndarray:
     """Serve ``partitioned`` on its own loopback server with ``backend`` cards; score one request."""
-    from server.app import BackgroundServer, ServerConfig
-    from server.batcher import BatchingConfig
-    from server.core import InferenceCore
-    from server.loader import load_partitioned
-    from server.metrics import ServerMetrics
+    from sixfold.server.app import BackgroundServer, ServerConfig
+    from sixfold.server.scheduling.batcher import BatchingConfig
+    from sixfold.server.core import InferenceCore
+    from sixfold.server.loading.loader import load_partitioned
+    from sixfold.server.observability.metrics import ServerMetrics
 
     metrics = ServerMetrics()
     served = load_partitioned(partitioned, backend=backend, metrics=metrics, batching=BatchingConfig())
@@ -284,7 +284,7 @@ def _model_scores(model, request: dict[str, np.ndarray]) -> np.ndarray:
 
 def test_int8_tables_serve_close_to_the_fp32_model(gen) -> None:
     """The host stage on row-wise int8 tables, end to end over gRPC: close to fp32, not equal."""
-    from partitioner.compile import partition_builtin
+    from sixfold.partitioner.compile import partition_builtin
 
     model, partitioned = partition_builtin("rm2", max_rows=MAX_ROWS, seed=3, cards=2, table_precision="int8")
     assert partitioned.plan.partition("sparse").format == "tables"
@@ -296,8 +296,9 @@ def test_int8_tables_serve_close_to_the_fp32_model(gen) -> None:
 
 def test_the_torch_backend_serves_the_dense_part_too(gen) -> None:
     """--backend torch takes the dense partition as an FX module (no ONNX), and answers exactly."""
-    from backends.registry import get_backend
-    from partitioner.compile import DENSE_PARTITION, partition_builtin
+    from sixfold.backends.registry import get_backend
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.partitioner.partitioned import DENSE_PARTITION
 
     model, partitioned = partition_builtin("rm2", max_rows=MAX_ROWS, seed=3, cards=2)
     assert partitioned.artifact_for(DENSE_PARTITION, get_backend("torch")).format == "torch-fx"
@@ -308,8 +309,8 @@ def test_the_torch_backend_serves_the_dense_part_too(gen) -> None:
 
 def test_an_int8_dense_partition_serves_close_to_the_fp32_model(gen) -> None:
     """--dense-precision int8 (dynamic quantization) over gRPC on simulated cards: close to fp32, not equal."""
-    from partitioner.compile import partition_builtin
-    from partitioner.precision import apply_dense_precision
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.partitioner.precision.dense import apply_dense_precision
 
     model, partitioned = partition_builtin("dlrm-mlperf", max_rows=MAX_ROWS, seed=3, cards=2)
     apply_dense_precision(partitioned, "int8")

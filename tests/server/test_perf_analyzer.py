@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import models
-from loadgen import write_perf_analyzer_json
+from sixfold import models
+from sixfold.loadgen import write_perf_analyzer_json
 
-from .conftest import MAX_ROWS
+from tests.server.conftest import MAX_ROWS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf_analyzer"
 

@@ -12,16 +12,16 @@ import torch
 import tritonclient.grpc as grpcclient
 from torch import nn
 
-from partitioner.artifacts import write_artifacts
-from partitioner.compile import partition_file
-from partitioner.sharding import shard_tables
-from server.app import BackgroundServer, ServerConfig
-from server.batcher import BatchingConfig
-from server.core import InferenceCore
-from server.loader import load_from_repository
-from server.metrics import ServerMetrics
-from server.model_control import ModelControl
-from server.repository import ModelRepository
+from sixfold.partitioner.artifacts import write_artifacts
+from sixfold.partitioner.compile import partition_file
+from sixfold.partitioner.placement.sharding import shard_tables
+from sixfold.server.app import BackgroundServer, ServerConfig
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.server.core import InferenceCore
+from sixfold.server.loading.loader import load_from_repository
+from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.loading.model_control import ModelControl
+from sixfold.server.loading.repository import ModelRepository
 from tests.conftest import triton_inputs
 
 ROWS, DIM, DENSE_DIM = (40, 25, 60, 30), 8, 3

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.spec import load_spec
-from partitioner.cost import PartitionCost
-from simulate.platform import Platform, StageModel
+from sixfold.backends.spec_catalog import load_spec
+from sixfold.partitioner.pricing.cost import PartitionCost
+from sixfold.simulate.platform import Platform, StageModel
 
 _COST = PartitionCost(param_bytes=0, flops_per_item=0.0, bytes_per_item=0.0, weight_bytes_per_batch=0)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import backends.calibrate as calibrate
-from backends.spec import DeviceSpec, load_spec
+import sixfold.backends.host.calibrate as calibrate
+from sixfold.backends.spec import DeviceSpec
+from sixfold.backends.spec_catalog import load_spec
 
 
 def test_auto_calibrates_once_then_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

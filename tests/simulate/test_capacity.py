@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from server.batcher import BatchingConfig
-from simulate.capacity import ImpossibleTarget, check_bound, max_rate
-from simulate.engine import ServingSettings
-from simulate.traffic import parse_traffic
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.simulate.capacity import ImpossibleTarget, check_bound, max_rate
+from sixfold.simulate.engine import ServingSettings
+from sixfold.simulate.traffic import parse_traffic
 
-from .factories import linear_platform
+from tests.simulate.factories import linear_platform
 
 SETTINGS = ServingSettings(batching=BatchingConfig(max_batch_rows=100, max_queue_work_ms=0.0, max_queue_size=0),
                            max_card_rows=None, min_split_rows=0, host_dense_max_rows=0)

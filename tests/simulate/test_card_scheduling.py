@@ -3,7 +3,7 @@
 Each query is its own batch, every query is large enough to split over all six cards, the
 host stage and front end are free and the cards take 20 us an item with no fixed cost. Then
 "fifo" is exactly the ideal FIFO server at six cards' speed (Lindley's recursion,
-``loadgen.ideal``), while "greedy" sends a query that arrives while the cards are busy
+``sixfold.loadgen.ideal``), while "greedy" sends a query that arrives while the cards are busy
 whole to one card, at a sixth of the speed.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen.ideal import ideal_latencies
-from loadgen.stats import percentiles
-from server.batcher import BatchingConfig
-from simulate.engine import ServingSettings, simulate
-from simulate.traffic import Arrivals
+from sixfold.loadgen.ideal import ideal_latencies
+from sixfold.loadgen.stats import percentiles
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.simulate.engine import ServingSettings, simulate
+from sixfold.simulate.traffic import Arrivals
 
-from .factories import linear_platform
+from tests.simulate.factories import linear_platform
 
 PER_ITEM = 20e-6
 CARDS = 6

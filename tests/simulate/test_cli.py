@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from simulate.cli import main
-from simulate.platform import build_platform
+from sixfold.simulate.cli import main
+from sixfold.simulate.platform import build_platform
 
 SHORT = ["--duration", "0.5", "--warmup", "0.1", "--quiet"]
 
@@ -117,8 +117,8 @@ def test_no_wait_rows_is_sixfold_serves_too(tmp_path) -> None:
 
 
 def test_card_scheduling_is_sixfold_serves_and_reaches_the_settings() -> None:
-    from server.cli import _parser as serve_parser
-    from simulate.cli import _parser, serving_settings
+    from sixfold.server.cli import _parser as serve_parser
+    from sixfold.simulate.cli import _parser, serving_settings
     serve = next(a for a in serve_parser()._actions if a.dest == "card_scheduling")
     assert serving_settings(_parser().parse_args(["run", "--model", "rm1", "--qps", "1"])).card_scheduling == serve.default
     args = _parser().parse_args(["run", "--model", "rm1", "--qps", "1", "--card-scheduling", "fifo"])

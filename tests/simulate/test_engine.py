@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import server.runtime
-from server.batcher import BatchingConfig
-from simulate.engine import ServingSettings, simulate
-from simulate.traffic import Arrivals, parse_traffic
+import sixfold.server.execution.runtime as server_runtime
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.simulate.engine import ServingSettings, simulate
+from sixfold.simulate.traffic import Arrivals, parse_traffic
 
-from .factories import linear_platform
+from tests.simulate.factories import linear_platform
 
 HOST = (0.2e-3, 2e-6)   # 0.2 ms + 2 us an item
 CARD = (0.5e-3, 10e-6)  # 0.5 ms + 10 us an item
@@ -71,12 +71,12 @@ def test_a_large_batch_is_split_across_cards_by_the_runtime() -> None:
 
 
 def test_changing_the_servers_code_changes_the_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runtime that splits batches is server.runtime's: patch it, and the simulation follows."""
+    """The runtime that splits batches is sixfold.server.execution.runtime's: patch it, and the simulation follows."""
     platform = linear_platform(cards=4, host=HOST, card=CARD)
     one = arrivals([0.0], [700])
     before = simulate(platform, one, settings=ServingSettings(batching=BatchingConfig(max_queue_work_ms=0.0),
                                                                host_dense_max_rows=0))
-    monkeypatch.setattr(server.runtime.PlanRuntime, "_parts", lambda self, rows, free: 1)
+    monkeypatch.setattr(server_runtime.PlanRuntime, "_parts", lambda self, rows, free: 1)
     after = simulate(platform, one, settings=ServingSettings(batching=BatchingConfig(max_queue_work_ms=0.0),
                                                               host_dense_max_rows=0))
     assert before.card_batches == 4 and after.card_batches == 1

@@ -1,9 +1,9 @@
-"""Against queueing theory: set the server up as one FIFO queue and the simulation is loadgen.ideal's server.
+"""Against queueing theory: set the server up as one FIFO queue and the simulation is sixfold.loadgen.ideal's server.
 
 Each query its own batch (``max_batch_rows`` 1: every query is over it, so each leaves alone at
 once), one card, no splitting, no host-dense, no admission, a free host stage and front end:
 sixfold is then a single FIFO server whose service time is the card's. Lindley's recursion
-(``loadgen.ideal.ideal_latencies``) gives every latency exactly, and for Poisson arrivals of one
+(``sixfold.loadgen.ideal.ideal_latencies``) gives every latency exactly, and for Poisson arrivals of one
 size the mean wait is Pollaczek-Khinchine's (M/D/1).
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen.ideal import ideal_latencies
-from server.batcher import BatchingConfig
-from simulate.engine import ServingSettings, simulate
-from simulate.traffic import parse_traffic
+from sixfold.loadgen.ideal import ideal_latencies
+from sixfold.server.scheduling.batcher import BatchingConfig
+from sixfold.simulate.engine import ServingSettings, simulate
+from sixfold.simulate.traffic import parse_traffic
 
-from .factories import linear_platform
+from tests.simulate.factories import linear_platform
 
 PER_ITEM = 20e-6  # the card: 20 us an item, no fixed cost (the ideal server's model)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import models
-from loadgen.record import RunRecord
-from loadgen.recording import save_recording
-from simulate.traffic import Traffic, parse_traffic
+from sixfold import models
+from sixfold.loadgen.record import RunRecord
+from sixfold.loadgen.recording import save_recording
+from sixfold.simulate.traffic import Traffic, parse_traffic
 
 
 def test_two_rates_share_their_random_numbers() -> None:

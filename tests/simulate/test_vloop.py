@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from simulate.vloop import SimulationDeadlock, SimulationLimit, VirtualTimeLoop, run_virtual
+from sixfold.simulate.vloop import SimulationDeadlock, SimulationLimit, VirtualTimeLoop, run_virtual
 
 
 def test_sleeps_timeouts_and_waits_take_virtual_seconds() -> None:

@@ -4,7 +4,7 @@ It stands in for a vendor's card runtime: ``load`` "compiles" the partition
 (here: builds an ``onnx.reference.ReferenceEvaluator``, numpy all the way
 down) after checking it fits the device; ``run`` checks its inputs and
 executes. It is slow next to ONNX Runtime and exact enough to pass the
-conformance kit (``python -m backends.conformance numpy-ref``).
+conformance kit (``python -m sixfold.backends.conformance numpy-ref``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from backends import Backend, BackendError, DeviceSpec, Executable, PartitionArtifact, check_fits
-from backends.options import reject_unknown
+from sixfold.backends import Backend, BackendError, DeviceSpec, Executable, PartitionArtifact, check_fits
+from sixfold.backends.options import reject_unknown
 
 __all__ = ["NumpyRefBackend", "NumpyRefExecutable", "SPECS_DIR"]
 

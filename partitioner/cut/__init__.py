@@ -1,0 +1,1 @@
+"""Graph surgery: which nodes run on the host, the host/dense split, pipeline stages."""

@@ -1,0 +1,1 @@
+"""Which device runs what: placement strategies and embedding-table shards on cards."""

@@ -1,0 +1,297 @@
+"""Models larger than memory: write tables straight to disk in chunks, never whole in memory.
+
+Two ways to get a table store (a version folder's ``tables/table_NNN.npy`` plus their
+checksums in ``plan.json``) without holding a table set in DRAM:
+
+* ``build_streamed("rm2", out)``: a built-in model at its published size. The dense part
+  is partitioned from a small build of the same model (its layers do not depend on table
+  sizes); the tables are then generated chunk by chunk straight into their files with
+  DLRM's init, U(-sqrt(1/rows), sqrt(1/rows)) per table, from a per-table seeded stream
+  (so not the same numbers as ``models.build`` at full size, which would need every
+  table in memory). ``precision`` int8/int4/fp16 also writes the row-wise quantized
+  copies (``tables/<precision>/table_NNN.npy``) chunk by chunk, as the host stage would.
+* ``import_tables(source, version_dir)``: a user's trained weights, a ``torch.save``d
+  state dict of EmbeddingBag tables (read with ``torch.load(mmap=True)``: no copy in
+  memory) or a folder of per-table ``.npy`` files, copied into the store in chunks.
+
+Both show a progress bar (rich) and leave every file's checksum in plan.json. Command
+line: ``python -m sixfold.partitioner.tables.build build rm2 --out repo/rm2/1`` and
+``python -m sixfold.partitioner.tables.build import state.pt --out repo/mine/1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["build_streamed", "import_tables", "write_table", "main"]
+
+_CHUNK_ROWS = 1 << 18
+
+
+def _progress(total_bytes: int, label: str, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
+    if not enabled:
+        return (lambda n: None), (lambda: None)
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+    progress.start()
+    task = progress.add_task(label, total=total_bytes)
+    return (lambda n: progress.advance(task, n)), progress.stop
+
+
+def write_table(path: Path, rows: int, dim: int, chunks: Iterator[np.ndarray], *, precision: str = "fp32",
+                packed_only: bool = False, advance: Callable[[int], None] = lambda n: None) -> None:
+    """Write fp32 ``chunks`` (rows in order, ``rows`` in all) to ``path`` and, for another precision,
+    its row-wise quantized copy to ``path.parent / precision / path.name``. Atomic per file.
+
+    ``packed_only`` (int8/int4): write only the packed rows, as ``path`` itself (uint8 rows; the
+    host stage serves them as they are): a table set whose fp32 form would not fit on the disk.
+    """
+    from sixfold.backends.host.host_embedding import bytes_per_row
+
+    if packed_only and precision not in ("int8", "int4"):
+        raise ValueError(f"packed_only needs int8 or int4 rows, not {precision}")
+    outputs: list[_NpyWriter] = []
+    if not packed_only:
+        outputs.append(_NpyWriter(path, np.float32, (rows, dim), lambda c: c))
+    if precision != "fp32":
+        width = dim if precision == "fp16" else bytes_per_row(precision, dim)
+        qpath = path if packed_only else path.parent / precision / path.name
+        outputs.append(_NpyWriter(qpath, np.float16 if precision == "fp16" else np.uint8, (rows, width),
+                                  lambda c: _quantize(c, precision)))
+    try:
+        start = 0
+        for chunk in chunks:
+            for w in outputs:
+                w.write(chunk)
+            start += chunk.shape[0]
+            advance(chunk.shape[0] * dim * 4)
+        if start != rows:
+            raise ValueError(f"{path}: {start} rows written, {rows} expected")
+        for w in outputs:
+            w.commit()
+        if len(outputs) == 2:
+            os.utime(outputs[1].path)  # newer than its fp32 source: the host stage uses it as is
+    finally:
+        for w in outputs:
+            w.abort()
+
+
+class _NpyWriter:
+    """A .npy file written front to back with plain writes (never mapped: written pages are dropped
+    from the page cache every 64 MiB, so writing a 5 GB table costs no 5 GB of RSS or cache)."""
+
+    def __init__(self, path: Path, dtype: Any, shape: tuple[int, int], convert: Callable[[np.ndarray], np.ndarray]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.convert = path, convert
+        self.tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        self.file = open(self.tmp, "wb")
+        np.lib.format.write_array_header_1_0(self.file, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                         "fortran_order": False, "shape": shape})
+        self.dtype = np.dtype(dtype)
+        self.pending = 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        data = np.ascontiguousarray(self.convert(chunk), dtype=self.dtype)
+        self.file.write(memoryview(data).cast("B"))
+        self.pending += data.nbytes
+        if self.pending >= 64 << 20:
+            self._drop()
+
+    def _drop(self) -> None:
+        self.file.flush()
+        fd = self.file.fileno()
+        os.fdatasync(fd)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            pass
+        self.pending = 0
+
+    def commit(self) -> None:
+        self._drop()
+        self.file.close()
+        os.replace(self.tmp, self.path)  # atomic: a reader sees no half-written table
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+            self.tmp.unlink(missing_ok=True)
+
+
+def _quantize(chunk: np.ndarray, precision: str) -> np.ndarray:
+    import torch
+
+    if precision == "fp16":
+        return chunk.astype(np.float16)
+    op = (torch.ops.quantized.embedding_bag_byte_prepack if precision == "int8"
+          else torch.ops.quantized.embedding_bag_4bit_prepack)
+    return op(torch.from_numpy(np.ascontiguousarray(chunk, np.float32))).numpy()
+
+
+def _uniform_chunks(rows: int, dim: int, seed: int, table: int) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng([seed, table])
+    bound = math.sqrt(1.0 / rows)
+    for lo in range(0, rows, _CHUNK_ROWS):
+        n = min(_CHUNK_ROWS, rows - lo)
+        chunk = rng.random((n, dim), dtype=np.float32)
+        chunk *= 2 * bound
+        chunk -= bound
+        yield chunk
+
+
+def build_streamed(name: str, out: str | Path, *, seed: int = 0, cards: int = 6, card_spec: str = "m2-card",
+                   host_spec: str = "host-cpu", precision: str = "fp32", max_rows: int | None = None,
+                   packed_only: bool = False, progress: bool = True) -> Path:
+    """Partition built-in ``name`` with tables at full size (or ``max_rows``) written in chunks; returns plan.json.
+
+    ``packed_only``: int8/int4 tables written packed only, no fp32 copy (dlrm-mlperf int8: 25 GB, not 96).
+    """
+    from sixfold import models
+
+    from sixfold.partitioner.artifacts import write_artifacts
+    from sixfold.partitioner.tables.checksums import table_checksums
+    from sixfold.partitioner.compile import partition_builtin
+    from sixfold.partitioner.partitioned import HOST_PARTITION
+
+    out = Path(out)
+    config = models.get_config(name, max_rows=max_rows)
+    small = min(1000, *config.table_rows)
+    _, partitioned = partition_builtin(name, max_rows=small, seed=seed, cards=cards, card_spec=card_spec,
+                                       host_spec=host_spec, table_precision=precision)
+    write_artifacts(partitioned, out)
+    tables = out / "tables"
+    for p in tables.glob("**/table_*.npy"):
+        p.unlink()
+    rows, dim = list(config.table_rows), config.embedding_dim
+    advance, stop = _progress(sum(rows) * dim * 4, f"{name}: {len(rows)} tables", progress)
+    try:
+        for t, r in enumerate(rows):
+            write_table(tables / f"table_{t:03d}.npy", r, dim, _uniform_chunks(r, dim, seed, t),
+                        precision=precision, packed_only=packed_only, advance=advance)
+    finally:
+        stop()
+    return _finish_plan(out, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+
+
+def _finish_plan(out: Path, rows: list[int], dim: int, precision: str, checksums: dict[str, str],
+                 host_partition: str) -> Path:
+    from sixfold.backends.host.host_embedding import bytes_per_row
+
+    from sixfold.partitioner.plan import PartitionPlan
+
+    path = out / "plan.json"
+    plan = PartitionPlan.load(path)
+    plan.tables.update(rows=rows, dim=dim, checksums=checksums)
+    info = plan.partition(host_partition)
+    info.param_bytes = sum(rows) * bytes_per_row(precision, dim)
+    plan.save(path)
+    return path
+
+
+def _natural(key: str) -> list[Any]:
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", key)]
+
+
+def import_tables(source: str | Path, version_dir: str | Path, *, keys: Sequence[str] | None = None,
+                  precision: str = "fp32", progress: bool = True) -> list[tuple[str, tuple[int, int]]]:
+    """Copy a user's tables into ``version_dir/tables`` (chunked) and record checksums in its plan.json.
+
+    ``source``: a ``torch.save``d state dict (every 2-D floating tensor whose key ends in
+    ``weight`` is a table, in natural key order, unless ``keys`` names them in order) or a
+    folder of ``.npy`` files (natural name order). Returns (key, shape) per table written.
+    """
+    from sixfold.partitioner.tables.checksums import table_checksums
+
+    source, version_dir = Path(source), Path(version_dir)
+    arrays: list[tuple[str, Any]] = []
+    if source.is_dir():
+        files = sorted(source.glob("*.npy"), key=lambda p: _natural(p.name))
+        arrays = [(p.name, np.load(p, mmap_mode="r")) for p in files if keys is None or p.name in keys]
+    else:
+        import torch
+        state = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+        if hasattr(state, "state_dict"):
+            state = state.state_dict()
+        chosen = list(keys) if keys else sorted(
+            (k for k, v in state.items() if isinstance(v, torch.Tensor) and v.ndim == 2
+             and v.is_floating_point() and k.endswith("weight")), key=_natural)
+        missing = [k for k in chosen if k not in state]
+        if missing:
+            raise KeyError(f"{source}: no tensors {missing}; it has {sorted(state)[:10]}...")
+        arrays = [(k, state[k]) for k in chosen]
+    if not arrays:
+        raise ValueError(f"{source}: no embedding tables found (2-D float '*weight' tensors or .npy files)")
+    dims = {a.shape[1] for _, a in arrays}
+    if len(dims) != 1:
+        raise ValueError(f"{source}: tables differ in dim {sorted(dims)}; the host stage needs one dim")
+    dim = dims.pop()
+    tables = version_dir / "tables"
+    advance, stop = _progress(sum(a.shape[0] for _, a in arrays) * dim * 4, f"importing {len(arrays)} tables",
+                              progress)
+
+    def chunks(a: Any) -> Iterator[np.ndarray]:
+        for lo in range(0, a.shape[0], _CHUNK_ROWS):
+            part = a[lo:lo + _CHUNK_ROWS]
+            part = part.float().numpy() if hasattr(part, "numpy") and not isinstance(part, np.ndarray) else part
+            yield np.ascontiguousarray(part, dtype=np.float32)
+
+    try:
+        for t, (_, a) in enumerate(arrays):
+            write_table(tables / f"table_{t:03d}.npy", int(a.shape[0]), dim, chunks(a), precision=precision,
+                        advance=advance)
+    finally:
+        stop()
+    rows = [int(a.shape[0]) for _, a in arrays]
+    if (version_dir / "plan.json").exists():
+        from sixfold.partitioner.partitioned import HOST_PARTITION
+        _finish_plan(version_dir, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+    return [(k, (int(a.shape[0]), dim)) for k, a in arrays]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sixfold.partitioner.tables.build", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="partition a built-in model with its tables written in chunks")
+    b.add_argument("model")
+    b.add_argument("--out", required=True, help="version folder, e.g. repo/rm2/1")
+    b.add_argument("--max-rows", type=int, default=None, help="cap every table at R rows (default: full size)")
+    b.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    b.add_argument("--packed-only", action="store_true",
+                   help="int8/int4: write only the packed rows (no fp32 copy on disk)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--cards", type=int, default=6)
+    b.add_argument("--card-spec", default="m2-card")
+    b.add_argument("--host-spec", default="host-cpu")
+    i = sub.add_parser("import", help="copy a user's tables (state dict or .npy folder) into a version folder")
+    i.add_argument("source")
+    i.add_argument("--out", required=True, help="version folder (its plan.json gets the checksums)")
+    i.add_argument("--keys", default=None, help="comma-separated state-dict keys, in table order")
+    i.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    args = p.parse_args(argv)
+    if args.command == "build":
+        path = build_streamed(args.model, args.out, seed=args.seed, cards=args.cards, card_spec=args.card_spec,
+                              host_spec=args.host_spec, precision=args.table_precision, max_rows=args.max_rows,
+                              packed_only=args.packed_only)
+        print(f"wrote {path}")
+    else:
+        done = import_tables(args.source, args.out, keys=args.keys.split(",") if args.keys else None,
+                             precision=args.table_precision)
+        for t, (key, shape) in enumerate(done):
+            print(f"table_{t:03d}.npy  <- {key}  {shape[0]} x {shape[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""``sixfold-delta``: make a table delta, apply it to a running server, roll it back.
+
+    sixfold-delta make OLD_VERSION_DIR NEW_VERSION_DIR --out DELTA [--base-sequence N]
+    sixfold-delta apply --url HOST:PORT --model NAME [--control-token T] [--server-path] DELTA
+    sixfold-delta rollback --url HOST:PORT --model NAME [--control-token T]
+    sixfold-delta show DELTA
+
+``apply`` and ``rollback`` speak stock KServe v2 gRPC: tritonclient's ``load_model`` (Triton's
+RepositoryModelLoad), its ``config`` carrying sixfold's delta parameters and its ``files`` the
+delta's files (or, with ``--server-path``, the delta folder's path on the server's machine).
+See docs/deltas.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "apply_delta", "rollback_delta"]
+
+
+def _client(url: str, ssl: bool = False):
+    import tritonclient.grpc as grpcclient
+    return grpcclient.InferenceServerClient(url, ssl=ssl)
+
+
+def _headers(token: str | None) -> dict[str, str] | None:
+    return {"authorization": f"Bearer {token}"} if token else None
+
+
+def _sequence(client, model: str, headers) -> str:
+    config = client.get_model_config(model, headers=headers, as_json=True)["config"]
+    return config.get("parameters", {}).get("sixfold.delta_sequence", {}).get("string_value", "?")
+
+
+def apply_delta(url: str, model: str, delta: str | Path, *, token: str | None = None, server_path: bool = False,
+                timeout_s: float = 600.0, ssl: bool = False) -> str:
+    """Apply the delta folder ``delta`` to ``model`` at ``url``; returns the sequence the model serves after it."""
+    from sixfold.partitioner.tables.deltas import read_delta
+
+    delta = Path(delta)
+    client = _client(url, ssl)
+    headers = _headers(token)
+    if server_path:
+        config = {"parameters": {"sixfold.delta_path": {"string_value": str(delta.resolve())}}}
+        client.load_model(model, headers=headers, config=json.dumps(config), client_timeout=timeout_s)
+    else:
+        read_delta(delta)  # refuse a damaged delta here, before sending it
+        files = {f"file:{p.name}": p.read_bytes() for p in sorted(delta.iterdir()) if p.is_file()}
+        client.load_model(model, headers=headers, config=json.dumps({"parameters": {}}), files=files,
+                          client_timeout=timeout_s)
+    return _sequence(client, model, headers)
+
+
+def rollback_delta(url: str, model: str, *, token: str | None = None, timeout_s: float = 600.0,
+                   ssl: bool = False) -> str:
+    """Roll back the last delta applied to ``model``; returns the sequence it serves after it."""
+    client = _client(url, ssl)
+    headers = _headers(token)
+    config = {"parameters": {"sixfold.delta_rollback": {"string_value": "true"}}}
+    client.load_model(model, headers=headers, config=json.dumps(config), client_timeout=timeout_s)
+    return _sequence(client, model, headers)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sixfold-delta", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make", help="write the rows that differ between two version folders as a delta")
+    make.add_argument("old", help="the version folder the delta applies to (sixfold-partition --out)")
+    make.add_argument("new", help="the version folder with the new rows")
+    make.add_argument("--out", required=True, help="the delta folder to write")
+    make.add_argument("--base-sequence", type=int, default=0,
+                      help="the sequence OLD is served at (0: as written; N: after N deltas)")
+    make.add_argument("--model", help="the model's name as served (default: the plan's model, e.g. rm2)")
+    make.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name, text in (("apply", "apply a delta to a running sixfold-serve"),
+                       ("rollback", "roll back the last delta applied to a model")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC HOST:PORT")
+        cmd.add_argument("--model", required=True)
+        cmd.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
+                         help="the server's --control-token (default $SIXFOLD_CONTROL_TOKEN)")
+        cmd.add_argument("--ssl", action="store_true", help="gRPC over TLS")
+        cmd.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
+        if name == "apply":
+            cmd.add_argument("delta", help="the delta folder")
+            cmd.add_argument("--server-path", action="store_true",
+                             help="send the folder's path, not its files (the server reads it; for large deltas)")
+    show = sub.add_parser("show", help="check a delta folder and say what it holds")
+    show.add_argument("delta")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from sixfold.partitioner.tables.deltas import DeltaError, make_delta, read_delta
+    try:
+        if args.command == "make":
+            t0 = time.perf_counter()
+            delta = make_delta(args.old, args.new, args.out, base_sequence=args.base_sequence, model=args.model,
+                               progress=not args.quiet and sys.stdout.isatty())
+            print(f"sixfold-delta: wrote {args.out}: {delta.rows} changed rows in {len(delta.tables)} table(s), "
+                  f"sequence {delta.base_sequence} -> {delta.sequence} ({time.perf_counter() - t0:.1f} s)")
+        elif args.command == "show":
+            delta = read_delta(args.delta)
+            print(json.dumps({"model": delta.model, "base": {"sequence": delta.base_sequence,
+                                                             "fingerprint": delta.base_fingerprint},
+                              "sequence": delta.sequence, "fingerprint": delta.fingerprint, "rows": delta.rows,
+                              "tables": {t.table: t.count for t in delta.tables}}, indent=1))
+        elif args.command == "apply":
+            t0 = time.perf_counter()
+            sequence = apply_delta(args.url, args.model, args.delta, token=args.control_token,
+                                   server_path=args.server_path, timeout_s=args.timeout, ssl=args.ssl)
+            print(f"sixfold-delta: {args.model} serves delta sequence {sequence} ({time.perf_counter() - t0:.2f} s)")
+        else:
+            sequence = rollback_delta(args.url, args.model, token=args.control_token, timeout_s=args.timeout,
+                                      ssl=args.ssl)
+            print(f"sixfold-delta: rolled back; {args.model} serves delta sequence {sequence}")
+    except DeltaError as exc:
+        print(f"sixfold-delta: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - e.g. the server's refusal, named as it said it
+        from tritonclient.utils import InferenceServerException
+        if isinstance(exc, InferenceServerException):
+            print(f"sixfold-delta: the server refused: {exc.message()}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What the server tells operators: Prometheus metrics, Triton-shaped statistics, logs."""

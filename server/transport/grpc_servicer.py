@@ -1,0 +1,262 @@
+"""gRPC servicer for inference.GRPCInferenceService: protobuf <-> core types, nothing more.
+
+Errors become gRPC status codes in one decorator (MLServer's grpc/utils.py
+pattern); every other line converts or delegates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from sixfold import __version__
+from sixfold.server.deltas import delta_log as deltas
+from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.protocol.codec import (decode_inputs, encode_response, output_regions, request_priority, request_timeout,
+                    requested_outputs)
+from sixfold.server.core import InferenceCore
+from sixfold.server.errors import InvalidInput, ServingError, Unauthenticated, Unavailable
+from sixfold.server.model.served import ServedModel
+from sixfold.server.loading.model_config import to_model_config
+from sixfold.server.protocol.shared_memory import check_local_peer, enabled, grpc_peer_host
+from sixfold.server.workers.siblings import from_sibling
+
+__all__ = ["InferenceServicer"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        self.core.rpc_started()
+        try:
+            return await method(self, request, context)
+        except ServingError as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - last resort: the client still gets an answer
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.core.rpc_finished()
+        raise AssertionError("unreachable")  # abort always raises
+    return wrapper
+
+
+def _tensor_metadata(tensors: list) -> list[service_pb2.ModelMetadataResponse.TensorMetadata]:
+    return [service_pb2.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
+            for t in tensors]
+
+
+def _model_config(model: ServedModel) -> model_config_pb2.ModelConfig:
+    """The model's real batching and queue settings, in Triton's ModelConfig."""
+    return to_model_config(model.name, model.batcher.config, parameters=model.config_parameters(),
+                           inputs=model.plan.inputs, outputs=model.plan.outputs)
+
+
+def _duration(d: Any) -> service_pb2.StatisticDuration:
+    return service_pb2.StatisticDuration(count=d.count, ns=d.ns)
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, core: InferenceCore, *, control_token: str | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.core = core
+        self.metrics = metrics
+        """Counts requests refused before they reach a model (the model counts its own failures)."""
+        self.control_token = control_token
+        """When set, RepositoryModelLoad/Unload need ``authorization: Bearer <token>`` metadata."""
+
+    def _control(self, context: grpc.aio.ServicerContext, *, changes: bool):
+        """The ModelControl, after checking that model control is on and the caller may use it."""
+        control = self.core.control
+        if control is None:
+            raise Unavailable("this server has no model repository (start sixfold-serve with --model-repository)")
+        if not changes:
+            return control
+        if not control.explicit:
+            raise Unavailable("model control is disabled; start sixfold-serve with --model-control-mode explicit")
+        if self.control_token is not None:
+            given = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.control_token}".encode()):
+                raise Unauthenticated("model control needs the header 'authorization: Bearer <token>' "
+                                      "with the server's --control-token")
+        return control
+
+    async def _tell_siblings(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> None:
+        """A change this worker made, made in the other workers too (unless a sibling told it to this one)."""
+        if self.core.siblings is not None and not from_sibling(context.invocation_metadata()):
+            await self.core.tell_siblings(method, request)
+
+    @_grpc_errors
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_grpc_errors
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=self.core.ready)
+
+    @_grpc_errors
+    async def ServerMetadata(self, request, context):
+        extensions = ["model_configuration", "statistics"]
+        if self.core.shared_memory is not None:
+            extensions.append("system_shared_memory")
+        if self.core.control is not None:
+            extensions.append("model_repository")
+        return service_pb2.ServerMetadataResponse(name="sixfold", version=__version__, extensions=extensions)
+
+    @_grpc_errors
+    async def ModelReady(self, request, context):
+        try:
+            self.core.model(request.name, request.version)
+        except ServingError:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=self.core.accepting and not self.core.draining)
+
+    @_grpc_errors
+    async def ModelMetadata(self, request, context):
+        model = self.core.model(request.name, request.version)
+        return service_pb2.ModelMetadataResponse(
+            name=model.name, versions=sorted(self.core.versions.get(model.name, {model.version: model}),
+                                             key=lambda v: (len(v), v)), platform="sixfold",
+            inputs=_tensor_metadata(model.plan.inputs), outputs=_tensor_metadata(model.plan.outputs))
+
+    @_grpc_errors
+    async def ModelConfig(self, request, context):
+        return service_pb2.ModelConfigResponse(config=_model_config(self.core.model(request.name, request.version)))
+
+    @_grpc_errors
+    async def ModelStatistics(self, request, context):
+        models = [self.core.model(request.name, request.version)] if request.name else self.core.all_versions()
+        response = service_pb2.ModelStatisticsResponse()
+        for model in models:
+            s = model.stats
+            response.model_stats.add(
+                name=model.name, version=model.version, last_inference=s.last_inference_ms,
+                inference_count=s.inference_count, execution_count=s.execution_count,
+                inference_stats=service_pb2.InferStatistics(
+                    success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
+                    compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
+                    compute_output=_duration(s.compute_output)))
+        return response
+
+    @_grpc_errors
+    async def RepositoryIndex(self, request, context):
+        control = self._control(context, changes=False)
+        response = service_pb2.RepositoryIndexResponse()
+        for state in control.index(ready_only=request.ready):
+            response.models.add(name=state.name, version=state.version, state=state.state, reason=state.reason)
+        return response
+
+    @_grpc_errors
+    async def RepositoryModelLoad(self, request, context):
+        if not request.model_name:
+            raise InvalidInput("RepositoryModelLoad: model_name is empty")
+        control = self._control(context, changes=True)
+        delta = deltas.delta_request({k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+                                      for k, v in request.parameters.items()})
+        if delta is not None:  # a table delta or its rollback (sixfold.server.deltas.delta_log, docs/deltas.md)
+            await deltas.serve_request(self.core, request.model_name, delta)
+        else:
+            await control.load(request.model_name)
+            await self._tell_siblings(context, "RepositoryModelLoad", request)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_grpc_errors
+    async def RepositoryModelUnload(self, request, context):
+        if not request.model_name:
+            raise InvalidInput("RepositoryModelUnload: model_name is empty")
+        await self._control(context, changes=True).unload(request.model_name)
+        await self._tell_siblings(context, "RepositoryModelUnload", request)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    @_grpc_errors
+    async def SystemSharedMemoryRegister(self, request, context):
+        registry = enabled(self.core.shared_memory)
+        check_local_peer(grpc_peer_host(context.peer() or ""))
+        registry.register(request.name, request.key, request.offset, request.byte_size)
+        await self._tell_siblings(context, "SystemSharedMemoryRegister", request)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    @_grpc_errors
+    async def SystemSharedMemoryUnregister(self, request, context):
+        enabled(self.core.shared_memory).unregister(request.name)
+        await self._tell_siblings(context, "SystemSharedMemoryUnregister", request)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    @_grpc_errors
+    async def SystemSharedMemoryStatus(self, request, context):
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for region in enabled(self.core.shared_memory).status(request.name):
+            response.regions[region.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
+        return response
+
+    @_grpc_errors
+    def ModelInfer(self, request, context):
+        # NOTE: not a coroutine of its own: it hands _answer's to the error wrapper, one frame fewer
+        # for every request to pass through when it suspends and resumes.
+        return self._answer(request, request_timeout(request, context))
+
+    async def _answer(self, request: service_pb2.ModelInferRequest,
+                      timeout_s: float | None) -> service_pb2.ModelInferResponse:
+        """protobuf in -> core -> protobuf out: the one inference path of unary and streaming calls."""
+        shared_memory = self.core.shared_memory
+        try:
+            model = self.core.serving(request.model_name, request.model_version)
+            inputs = decode_inputs(request, shared_memory)
+            regions = output_regions(request, shared_memory) if request.outputs else None
+        except ServingError as exc:
+            if self.metrics is not None:
+                self.metrics.record_refused("grpc", exc.reason)
+            raise
+        outputs = await model.infer(inputs, requested_outputs(request), timeout_s, request_priority(request))
+        return encode_response(model.name, model.version, request.id, outputs, regions, shared_memory)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Bidirectional stream: each request is answered as soon as it completes (ids tell
+        them apart); a failed request becomes an ``error_message`` and the stream goes on."""
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def answer(request: service_pb2.ModelInferRequest) -> None:
+            self.core.rpc_started()
+            try:
+                reply = service_pb2.ModelStreamInferResponse(
+                    infer_response=await self._answer(request, request_timeout(request)))
+            except Exception as exc:  # noqa: BLE001 - every request gets an answer on the stream
+                if not isinstance(exc, ServingError):
+                    log.exception("stream request %s failed", request.id)
+                message = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
+                reply = service_pb2.ModelStreamInferResponse(
+                    error_message=message, infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, model_version=request.model_version, id=request.id))
+            finally:
+                self.core.rpc_finished()
+            await answers.put(reply)
+
+        async def read() -> None:
+            tasks: set[asyncio.Task] = set()
+            try:
+                async for request in request_iterator:
+                    task = asyncio.ensure_future(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await answers.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
