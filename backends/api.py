@@ -5,6 +5,10 @@ Platform). Tensors cross this boundary as ``dict[str, numpy.ndarray]``, so a
 backend needs no torch. ``Executable.run`` is blocking and is called from one
 worker thread per executable (a card runs one batch at a time);
 ``Executable.infer`` is the async entry the server awaits.
+
+``BACKEND_API_VERSION`` versions this interface; a plug-in declares the version
+it was written against in ``Backend.api_version`` and the registry refuses one
+whose major differs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,20 @@ import numpy as np
 from sixfold.backends.os_threads import os_thread_name, start_worker_thread
 from sixfold.backends.spec import DeviceSpec
 
-__all__ = ["PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit", "Arrays"]
+__all__ = ["BACKEND_API_VERSION", "PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit",
+           "Arrays", "parse_api_version", "api_version_problem"]
+
+BACKEND_API_VERSION = "1.0"
+"""The version of the vendor interface (``sixfold.backends``' ``__all__``), "MAJOR.MINOR".
+
+MINOR goes up when something is added and every plug-in written against an
+earlier minor of the same major keeps working unchanged (a new optional method
+with a default, a new field with a default, a new name in ``__all__``). MAJOR
+goes up when a plug-in may have to change: a name removed or renamed, a required
+method added, a signature, a tensor contract or a threading rule changed. A
+plug-in states the version it was written against in ``Backend.api_version``;
+the registry refuses (status "failed") one whose MAJOR differs from this one.
+"""
 
 Arrays = dict[str, np.ndarray]
 
@@ -110,16 +127,48 @@ class Executable(ABC):
             self._executor = None
 
 
+def parse_api_version(text: object) -> tuple[int, int]:
+    """("MAJOR.MINOR") -> (major, minor); ValueError quoting ``text`` when it is not that."""
+    major, sep, minor = text.partition(".") if isinstance(text, str) else ("", "", "")
+    if not (sep and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"api_version must be a \"MAJOR.MINOR\" string such as {BACKEND_API_VERSION!r}, "
+                         f"got {text!r}")
+    return int(major), int(minor)
+
+
+def api_version_problem(declared: object) -> str:
+    """Why a plug-in declaring Backend API ``declared`` cannot run on this sixfold ("" when it can).
+
+    Refused: a malformed version, or a major other than ``BACKEND_API_VERSION``'s.
+    A newer minor of the same major is accepted (the registry logs a warning:
+    the plug-in may call something this sixfold lacks).
+    """
+    try:
+        major, _ = parse_api_version(declared)
+    except ValueError as exc:
+        return str(exc)
+    ours, _ = parse_api_version(BACKEND_API_VERSION)
+    if major != ours:
+        return (f"written against Backend API {declared}, but this sixfold provides Backend API "
+                f"{BACKEND_API_VERSION} (major versions must match: "
+                f"{'update sixfold' if major > ours else 'update the plug-in'})")
+    return ""
+
+
 class Backend(ABC):
     """A kind of device sixfold can run partitions on.
 
     Required: ``name`` and ``load``. Defaulted: ``formats``/``supports`` (which
     partitions it takes), ``devices`` (what it finds on this machine),
-    ``available`` (whether its runtime is importable here).
+    ``available`` (whether its runtime is importable here), ``api_version``.
     """
 
     name: ClassVar[str]
     formats: ClassVar[tuple[str, ...]] = ("onnx",)
+    api_version: ClassVar[str] = BACKEND_API_VERSION
+    """The Backend API ("MAJOR.MINOR", see ``BACKEND_API_VERSION``) this backend was written against.
+    A plug-in sets it to the version it was built and tested with; the registry refuses one whose
+    major differs from this sixfold's."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options

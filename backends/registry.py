@@ -10,8 +10,10 @@ and sixfold finds it; the built-ins register the same way. The loader runs once
 per process (``discover(reload=True)`` re-reads, for tests). The environment
 variable ``SIXFOLD_BACKENDS`` (comma-separated names) limits which plugins are
 imported; the others are listed as "filtered". A plugin that fails to import,
-is not a Backend subclass, or raises from ``available()`` is logged and
-skipped, and the reason is kept so ``get_backend`` and ``describe`` can say why.
+is not a Backend subclass, declares a Backend API major other than this
+sixfold's (``Backend.api_version`` against ``BACKEND_API_VERSION``), or raises
+from ``available()`` is logged and skipped, and the reason is kept so
+``get_backend`` and ``describe`` can say why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Literal
 
-from sixfold.backends.api import Backend, BackendError
+from sixfold.backends.api import BACKEND_API_VERSION, Backend, BackendError, api_version_problem, parse_api_version
 
 __all__ = [
     "ENTRY_POINT_GROUP", "BACKENDS_ENV", "Status", "BackendInfo", "BackendNotFound",
@@ -50,7 +52,8 @@ class BackendInfo:
     cls: type[Backend] | None
     """The class; None when it failed to load or was filtered out."""
     status: Status
-    """"ok"; "unavailable" (``available()`` said no); "failed" (import or type error); "filtered" (SIXFOLD_BACKENDS)."""
+    """"ok"; "unavailable" (``available()`` said no); "failed" (import or type error, another Backend API
+    major, ``available()`` raised); "filtered" (SIXFOLD_BACKENDS)."""
     reason: str = ""
     """Why it is not "ok" (empty when it is)."""
 
@@ -94,6 +97,14 @@ def _inspect(ep: EntryPoint) -> BackendInfo:
         reason = f"{ep.value} is {obj!r}, not a subclass of sixfold.backends.api.Backend"
         log.error("backend plugin %s skipped: %s", ep.name, reason)
         return BackendInfo(ep.name, ep.value, None, "failed", reason)
+    declared = getattr(obj, "api_version", None)
+    if problem := api_version_problem(declared):
+        reason = f"{ep.value}: {problem}"
+        log.error("backend plugin %s skipped: %s", ep.name, reason)
+        return BackendInfo(ep.name, ep.value, None, "failed", reason)
+    if parse_api_version(declared) > parse_api_version(BACKEND_API_VERSION):
+        log.warning("backend plugin %s is written against Backend API %s, newer than this sixfold's %s: "
+                    "it may use what this sixfold lacks", ep.name, declared, BACKEND_API_VERSION)
     if getattr(obj, "name", ep.name) != ep.name:
         log.warning("backend plugin %s: class %s says name=%r; it is registered as %r",
                     ep.name, obj.__qualname__, getattr(obj, "name", None), ep.name)
@@ -161,7 +172,8 @@ def get_backend(name: str, **options: Any) -> Backend:
 def describe() -> str:
     """A plain-text table of the registered backends (for ``sixfold-serve --list-backends``).
 
-    Why a backend is not usable goes on its own indented line, so rows stay short.
+    Why a backend is not usable goes on its own indented line, so rows stay short. The last
+    lines give this sixfold's Backend API version and the SIXFOLD_BACKENDS filter.
     """
     infos = discover()
     rows = [("NAME", "STATUS", "FORMATS", "ENTRY POINT")]
@@ -174,6 +186,7 @@ def describe() -> str:
             lines.append(f"    {info.reason}")
     if not infos:
         lines.append(_listing(infos))
+    lines.append(f"Backend API {BACKEND_API_VERSION}: a plug-in declaring another major version is refused")
     allowed = parse_allowlist(os.environ.get(BACKENDS_ENV))
     lines.append(f"{BACKENDS_ENV}={','.join(sorted(allowed))}" if allowed is not None
                  else f"{BACKENDS_ENV} is unset: every registered backend is loaded")

@@ -28,7 +28,7 @@ Provider = str | tuple[str, dict[str, Any]]
 
 
 def _ort() -> Any:
-    # NOTE: imported lazily so `import backends` stays cheap and a missing
+    # NOTE: imported lazily so `import sixfold.backends` stays cheap and a missing
     # onnxruntime makes this backend "unavailable" rather than unimportable.
     try:
         import onnxruntime

@@ -67,3 +67,30 @@ class DevicesRaise(ShipsDevices):
 
     def devices(self) -> list[DeviceSpec]:
         raise OSError("/dev/vendor0: permission denied")
+
+
+# Plug-ins declaring the Backend API they were written against (Backend.api_version).
+
+class FromNextMajor(NeedsDriver):
+    """Written against a Backend API major this sixfold does not provide: refused before ``available()``."""
+
+    name = "from-next-major"
+    api_version = "2.0"
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        raise AssertionError("a plug-in of another major is not probed")
+
+
+class FromNewerMinor(ShipsDevices):
+    """Written against a later minor of this major: loaded, with a warning."""
+
+    name = "from-newer-minor"
+    api_version = "1.99"
+
+
+class MalformedVersion(ShipsDevices):
+    """An api_version that is not "MAJOR.MINOR"."""
+
+    name = "malformed-version"
+    api_version = 1  # type: ignore[assignment]

@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from sixfold.backends import Backend, BackendError, DeviceSpec, Executable, PartitionArtifact, check_fits
-from sixfold.backends.options import reject_unknown
+# Only names from sixfold.backends (its __all__: the versioned Backend API); nothing from its submodules.
+from sixfold.backends import (
+    Backend, BackendError, DeviceSpec, Executable, PartitionArtifact, check_fits, reject_unknown,
+)
 
 __all__ = ["NumpyRefBackend", "NumpyRefExecutable", "SPECS_DIR"]
 
@@ -89,6 +91,7 @@ class NumpyRefBackend(Backend):
 
     name = "numpy-ref"
     formats = ("onnx",)
+    api_version = "1.0"  # the sixfold.backends.BACKEND_API_VERSION this was written against
 
     def __init__(self, **options: Any) -> None:
         reject_unknown(self.name, options, ())
