@@ -68,7 +68,7 @@ except Exception as exc:
 EOF
   nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
   echo "== imports"
-  "$PY" -c 'import server, backends, partitioner, models
+  "$PY" -c 'import sixfold.server, sixfold.backends, sixfold.partitioner, sixfold.models
 import sixfold.server.loading.loader, sixfold.server.app, sixfold.server.transport.http_app, sixfold.server.cli, sixfold.partitioner.precision.dense
 import tritonclient.grpc, grpc_health.v1.health_pb2, starlette, uvicorn
 print("project imports ok")' || echo "WARNING: a project import failed (the bench may still run)"
