@@ -1,4 +1,4 @@
-"""The canonical recommendation request (DESIGN.md, "Tensor convention").
+"""The canonical recommendation request (docs/architecture.md, "The tensor convention").
 
 Every layer (server validation, loadgen, partitioner) agrees on these names,
 dtypes and shapes; -1 is a dimension that varies per request.

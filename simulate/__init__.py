@@ -14,8 +14,8 @@ arrival and query-size models or a recording (``sixfold.simulate.traffic``).
     print(result.latency_ms["p99"], result.utilisation)
 
 Package order: ``simulate`` sits above every other package (it imports server, loadgen,
-partitioner, backends and models; nothing imports it), because server must not import
-loadgen and loadgen never imports server.
+partitioner, backends and models; nothing imports it): it drives the server's scheduling code with
+loadgen's traffic, and loadgen never imports the server (docs/architecture.md, "Layers").
 """
 
 from sixfold.simulate.capacity import (CardsAnswer, ImpossibleTarget, MaxRate, fewest_cards, latency_curve, lone_query_ms, max_rate,

@@ -1,6 +1,6 @@
 """Table deltas: the rows that changed between two versions of a model, as a checksummed folder.
 
-A model version is its base tables plus an ordered list of deltas (DESIGN.md, "Deltas").
+A model version is its base tables plus an ordered list of deltas (docs/deltas.md).
 One delta is a folder::
 
     DELTA/delta.json            what it is (below)

@@ -1,6 +1,6 @@
 """Dynamic batcher: merges queued requests into batches measured in rows (items).
 
-Every canonical input concatenates on dim 0 (DESIGN.md, tensor convention), so
+Every canonical input concatenates on dim 0 (docs/architecture.md, "The tensor convention"), so
 merging needs no model knowledge. Hygiene after MLServer's adaptive batcher and
 Ray Serve's batching: one future per request, asyncio objects created on the
 running loop, the wait recomputed after each arrival, a failed batch fails every
