@@ -21,9 +21,9 @@ runtime that executes that kind of op in sixfold:
 - fixed costs: one tiny torch op (``per_op_seconds``) and one call of a one-op ONNX Runtime
   session beyond that op (``per_batch_seconds``).
 
-Usage (the CLI the partitioner wires as ``sixfold-partition calibrate``)::
+Usage::
 
-    python -m sixfold.backends.host.calibrate --seconds 10 --out host.json
+    sixfold-partition calibrate --seconds 10 --out host.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``sixfold-partition tiers``: price a plan's table tiers, or measure a disk for the price.
 
-Also ``python -m sixfold.partitioner.pricing.tiers_cli``. The model itself is ``tiers``; this is its command line.
+The model itself is ``tiers``; this is its command line.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ checksums in ``plan.json``) without holding a table set in DRAM:
   memory) or a folder of per-table ``.npy`` files, copied into the store in chunks.
 
 Both show a progress bar (rich) and leave every file's checksum in plan.json. Command
-line: ``python -m sixfold.partitioner.tables.build build rm2 --out repo/rm2/1`` and
-``python -m sixfold.partitioner.tables.build import state.pt --out repo/mine/1``.
+line: ``sixfold-partition tables build rm2 --out repo/rm2/1`` and
+``sixfold-partition tables import state.pt --out repo/mine/1``.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def import_tables(source: str | Path, version_dir: str | Path, *, keys: Sequence
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sixfold.partitioner.tables.build", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="sixfold-partition tables", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="partition a built-in model with its tables written in chunks")
     b.add_argument("model")
