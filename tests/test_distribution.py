@@ -193,3 +193,53 @@ def test_no_import_cycle_between_files() -> None:
                     if len(component) > 1:
                         cycles.append(" <-> ".join(sorted(component)))
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+ALLOWED = {
+    "models": set(),
+    "backends": set(),
+    "partitioner": {"backends", "models"},
+    "loadgen": {"models"},
+    "server": {"partitioner", "backends", "models", "loadgen"},
+    "simulate": {"server", "partitioner", "backends", "models", "loadgen"},
+}
+"""Which packages each may import (docs/architecture.md, "Layers"): dependencies point down."""
+SERVER_TO_LOADGEN = {"sixfold.server.model.warm"}
+"""The one place the server reads loadgen's recording format (``--warm-from``)."""
+
+
+def test_packages_depend_downward_only() -> None:
+    wrong = []
+    for mod, path in _modules().items():
+        package = mod.split(".")[1]
+        for line, name, _level in _imports(path):
+            parts = name.split(".")
+            if parts[0] != "sixfold" or len(parts) < 2 or parts[1] not in ALLOWED or parts[1] == package:
+                continue
+            if parts[1] not in ALLOWED[package]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {package} imports {name}")
+            elif package == "server" and parts[1] == "loadgen" and mod not in SERVER_TO_LOADGEN:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: the server reads loadgen only in {SERVER_TO_LOADGEN}")
+    assert not wrong, "imports pointing up or sideways:\n" + "\n".join(wrong)
+
+
+SERVER_ORDER = ["cli", "app", "transport", "loading", "core", "deltas", "model", "execution", "scheduling",
+                "protocol", "workers", "observability", "memory", "errors"]
+"""server/'s parts from the top down (server/__init__.py); each imports only parts after it."""
+
+
+def test_server_subpackages_import_downward() -> None:
+    parts = {p.name.removesuffix(".py") for p in (ROOT / "server").iterdir()
+             if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert parts == set(SERVER_ORDER), f"update SERVER_ORDER and server/__init__.py: {sorted(parts ^ set(SERVER_ORDER))}"
+    wrong = []
+    for mod, path in _modules().items():
+        if not mod.startswith("sixfold.server."):
+            continue
+        mine = mod.split(".")[2]
+        for line, name, _level in _imports(path):
+            parts = name.split(".")
+            if parts[:2] == ["sixfold", "server"] and len(parts) > 2 and parts[2] != mine:
+                if SERVER_ORDER.index(parts[2]) < SERVER_ORDER.index(mine):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {mine} imports {name}, above it")
+    assert not wrong, "server/ imports pointing up:\n" + "\n".join(wrong)
