@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import runpy
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import setuptools
 import yaml
 
-__all__ = ["DOCKER", "DRAIN_PHASES", "Dockerfile", "container_ports", "documents", "only", "serve_command"]
+__all__ = ["DOCKER", "DRAIN_PHASES", "ROOT", "Dockerfile", "container_ports", "distribution", "documents",
+           "healthcheck", "only", "serve_command"]
 
-DOCKER = Path(__file__).resolve().parents[2] / "docker"
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
 DRAIN_PHASES = 4
 """sixfold.server.app.SixfoldServer.stop: queue drain, quiet period, REST close, gRPC close, each within the grace."""
 
@@ -70,6 +75,22 @@ class Dockerfile:
     def exposed(self) -> set[int]:
         return {int(p.split("/")[0]) for word, rest in self.instructions if word == "EXPOSE" for p in rest.split()}
 
+    def copies(self) -> list[tuple[str, str]]:
+        """(source, where it lands relative to WORKDIR) for each source of each COPY (flags such as
+        --chown dropped): a folder or file lands at the destination, or inside it when the destination
+        is a folder ("./", ".", "dir/") or the COPY has several sources."""
+        out = []
+        for word, rest in self.instructions:
+            if word != "COPY":
+                continue
+            parts = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+            parts = [p for p in parts if not p.startswith("--")]
+            *sources, dest = parts
+            into = dest.endswith("/") or dest in (".", "./") or len(sources) > 1
+            for src in sources:
+                out.append((str(Path(src)), str(Path(dest) / Path(src).name if into else Path(dest))))
+        return out
+
     def healthcheck(self) -> tuple[dict[str, str], list[str]]:
         """(options, exec-form command) of HEALTHCHECK."""
         rest = self.last("HEALTHCHECK")
@@ -97,3 +118,28 @@ def serve_command(entrypoint: list[str], args: list[str], ports: dict[int, int] 
         out.append(word)
         i += 1
     return out
+
+
+def distribution() -> dict[str, Any]:
+    """setup.py's arguments to setup() (``packages``, ``package_dir``) as pip gets them, and its
+    ``SUBPACKAGES``."""
+    captured: dict[str, Any] = {}
+    real = setuptools.setup
+    setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    try:
+        names = runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    finally:
+        setuptools.setup = real
+    return {**captured, "SUBPACKAGES": names["SUBPACKAGES"]}
+
+
+def _load_healthcheck() -> Any:
+    spec = importlib.util.spec_from_file_location("sixfold_docker_healthcheck", DOCKER / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+healthcheck = _load_healthcheck()
+"""docker/healthcheck.py, the image's HEALTHCHECK probe, as a module."""

@@ -3,18 +3,24 @@ against a real server, and compose builds one image, waits for health and keeps 
 
 from __future__ import annotations
 
+import ast
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from sixfold.loadgen.cli import build_parser as loadgen_parser
 from sixfold.server.app import ServerConfig
 from sixfold.server.cli import _parser
-from tests.docker.conftest import Pod
-from tests.docker.manifests import DOCKER, DRAIN_PHASES, Dockerfile
+from tests.docker.conftest import Pod, deployment_container, start_like_the_pod
+from tests.docker.manifests import DOCKER, DRAIN_PHASES, ROOT, Dockerfile, distribution, healthcheck
 
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
@@ -34,29 +40,152 @@ def test_entrypoint_and_cmd_parse_and_expose_the_ports():
     assert dockerfile.exposed() == {args.http_port, args.grpc_port, args.metrics_port} == {8000, 8001, 8002}
 
 
-def test_healthcheck_asks_the_ready_endpoint_of_the_rest_port():
+HEALTHCHECK_SCRIPT = DOCKER / "healthcheck.py"
+
+
+def _run_probe(*args: str) -> subprocess.CompletedProcess:
+    """docker/healthcheck.py as Docker runs it (a process of its own), here with ``args``."""
+    return subprocess.run([sys.executable, str(HEALTHCHECK_SCRIPT), *args], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_the_healthcheck_runs_the_copied_probe_with_sane_timings():
     dockerfile = Dockerfile.read()
     options, command = dockerfile.healthcheck()
-    args = _parser().parse_args(dockerfile.exec_form("ENTRYPOINT")[1:])
-    assert command[:2] == ["python", "-c"]
-    assert f"http://127.0.0.1:{args.http_port}/v2/health/ready" in command[2]
+    assert command[0] == "python" and len(command) == 2, "exec form: no shell, so no arguments to lose"
+    workdir = Path(dockerfile.last("WORKDIR"))
+    copied = {workdir / dest: src for src, dest in dockerfile.copies()}
+    assert copied.get(Path(command[1])) == "docker/healthcheck.py"
     assert _seconds(options["start-period"]) >= 60 and _seconds(options["timeout"]) < _seconds(options["interval"])
+    # What Docker asks is what the Kubernetes readiness probe asks.
+    assert healthcheck.READY_PATH == deployment_container()["readinessProbe"]["httpGet"]["path"]
 
 
-def _run_healthcheck(port: int) -> int:
-    _, command = Dockerfile.read().healthcheck()
-    code = command[2].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-    assert code != command[2]
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30).returncode
+def test_the_probe_needs_nothing_the_slim_image_lacks():
+    tree = ast.parse(HEALTHCHECK_SCRIPT.read_text())
+    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+            and node.level == 0}
+    assert top - {"__future__"} <= sys.stdlib_module_names, top - sys.stdlib_module_names
+    # grpc only where REST is off: a package the server itself needs (pyproject's dependencies).
+    inner = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    inner |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert inner - sys.stdlib_module_names == {"grpc", "grpc_health"}
+    deps = " ".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    assert "grpcio>=" in deps and "grpcio-health-checking" in deps
 
 
-def test_the_healthcheck_passes_on_a_ready_server_and_fails_without_one(pod: Pod):
-    assert _run_healthcheck(pod.ports["http"]) == 0
-    assert _run_healthcheck(pod.ports["grpc"]) != 0  # a port that does not speak the REST API
+@pytest.mark.parametrize("run_args", [
+    [], ["--http-port", "9000"], ["--http-port=9100", "--grpc-port", "9101"], ["--host", "10.1.2.3"],
+    ["--tls-cert", "certs/tls.crt", "--tls-key", "certs/tls.key", "--http-port", "8443"],
+    ["--http-port", "-1", "--grpc-port", "50051"], ["--model", "rm2", "--host-spec", "h.json", "--http-port", "1"],
+])
+def test_the_probe_reads_the_flags_as_the_server_does(run_args):
+    """ENTRYPOINT + `docker run` arguments: the probe and sixfold-serve agree on host, ports and TLS."""
+    argv = Dockerfile.read().exec_form("ENTRYPOINT")[1:] + run_args
+    served = _parser().parse_args(argv)
+    probed = healthcheck.server_flags(argv, "/opt/sixfold")
+    assert (probed.host, probed.http_port, probed.grpc_port) == (served.host, served.http_port, served.grpc_port)
+    assert probed.tls_cert == (str(Path("/opt/sixfold") / served.tls_cert) if served.tls_cert else None)
+
+
+def test_the_probe_finds_the_server_in_a_command_line():
+    find = healthcheck._server_args
+    assert find(["sixfold-serve", "--http-port", "1"]) == ["--http-port", "1"]  # ENTRYPOINT, exec form
+    assert find(["/usr/local/bin/python3.11", "/usr/local/bin/sixfold-serve", "--model", "rm2"]) == ["--model", "rm2"]
+    assert find(["/sbin/docker-init", "--", "sixfold-serve"]) is None  # --init: the server is its child
+    assert find(["sixfold-serve", "--as-worker", "/tmp/w:1:2"]) is None  # a worker process, not the server
+    assert find(["python", "docker/healthcheck.py"]) is None
+
+
+def test_the_probe_passes_on_a_ready_server_and_fails_without_one(pod: Pod):
+    itself = _run_probe("--pid", str(pod.proc.pid))  # the server's own command line, read from /proc
+    assert itself.returncode == 0, itself.stdout + itself.stderr
+    assert f"http://127.0.0.1:{pod.ports['http']}/v2/health/ready: 200" in itself.stdout
+    assert _run_probe("--http-port", str(pod.ports["http"])).returncode == 0
+    # REST off: the grpc.health.v1 service answers instead
+    assert _run_probe("--http-port", "-1", "--grpc-port", str(pod.ports["grpc"])).returncode == 0
+    wrong = _run_probe("--http-port", str(pod.ports["grpc"]))  # a port that does not speak the REST API
+    assert wrong.returncode == 1 and wrong.stdout.startswith("unhealthy: ")
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    assert _run_healthcheck(closed) == 1
+    assert _run_probe("--http-port", str(closed)).returncode == 1
+    assert _run_probe("--http-port", "-1", "--grpc-port", str(closed)).returncode == 1
+    assert _run_probe("--http-port", "0").returncode == 1  # a port picked at start cannot be known
+    assert _run_probe("--pid", str(os.getpid())).returncode == 1  # not a sixfold-serve
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=sixfold.example", "-addext", "subjectAltName=DNS:sixfold.example",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.parametrize("rest", ["https", "off"])
+def test_the_probe_follows_tls_and_a_server_without_rest(certificate, rest):
+    """A certificate for the public name (not loopback): HTTPS unverified on loopback, gRPC by its name;
+    unhealthy from SIGTERM on (draining: ready answers 400)."""
+    cert, key = certificate
+    extra = ("--tls-cert", str(cert), "--tls-key", str(key)) + (("--http-port", "-1") if rest == "off"
+                                                                 else ("--drain-seconds", "30"))
+    started = start_like_the_pod(extra)
+    try:
+        assert started.proc.url, started.proc.output
+        itself = _run_probe("--pid", str(started.proc.pid))
+        assert itself.returncode == 0, itself.stdout + itself.stderr
+        if rest == "https":
+            assert itself.stdout.startswith(f"healthy: https://127.0.0.1:{started.ports['http']}/v2/health/ready")
+            plain = _run_probe("--http-port", str(started.ports["http"]))  # http:// to an HTTPS port
+            assert plain.returncode == 1, plain.stdout
+            # SIGTERM: still serving for --drain-seconds, but no longer ready, so no longer healthy
+            started.proc.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while (answer := _run_probe("--pid", str(started.proc.pid))).returncode == 0 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert answer.returncode == 1 and ": 400 " in answer.stdout, answer.stdout
+        else:
+            assert "grpc.health.v1" in itself.stdout and "SERVING" in itself.stdout
+            plain = _run_probe("--http-port", "-1", "--grpc-port", str(started.ports["grpc"]))
+            assert plain.returncode == 1, plain.stdout
+    finally:
+        started.proc.kill()
+
+
+# --- the image holds what the distribution installs -----------------------------------------------------
+
+def missing_from_image(dockerfile: Dockerfile) -> list[str]:
+    """What `pip install .` in the image needs and no COPY brings to the same path: each installed
+    package's folder, setup.py, pyproject.toml and the readme pyproject names."""
+    dist = distribution()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = [Path("setup.py"), Path("pyproject.toml"), Path(project["readme"])]
+    roots = sorted(dist["package_dir"], key=len, reverse=True)
+    for package in dist["packages"]:
+        name = next(r for r in roots if package == r or package.startswith(r + "."))
+        needed.append(Path(dist["package_dir"][name], *package[len(name):].split(".")[1:]))
+    copied = [(Path(src), Path(lands)) for src, lands in dockerfile.copies()]
+    return [str(path) for path in needed
+            if not any(src == lands and (path == src or path.is_relative_to(src)) for src, lands in copied)]
+
+
+def test_the_image_copies_every_package_the_distribution_installs():
+    dockerfile = Dockerfile.read()
+    dist = distribution()
+    assert "sixfold" in dist["packages"] and dist["package_dir"]["sixfold"] == "sixfold"
+    assert {f"sixfold.{folder}" for folder in dist["SUBPACKAGES"]} <= set(dist["packages"])
+    assert {dist["package_dir"][f"sixfold.{folder}"] for folder in dist["SUBPACKAGES"]} == set(dist["SUBPACKAGES"])
+    assert missing_from_image(dockerfile) == []
+    # the guard catches what the hand fix put back: sixfold/, setup.py, simulate/
+    for dropped in ("sixfold", "simulate", "setup.py"):
+        cut = Dockerfile([(w, r) for w, r in dockerfile.instructions
+                          if not (w == "COPY" and dropped in r.split()[:-1])])
+        assert any(m == dropped or m.startswith(dropped + "/") for m in missing_from_image(cut)), dropped
 
 
 def test_compose_builds_one_image_and_both_services_run_it():

@@ -240,6 +240,43 @@ def test_resources_give_the_benchmarked_cpus_and_guaranteed_qos():
         assert resources["requests"]["cpu"] == "2"  # BENCHMARKS.md's latency-bounded host: 2 CPUs
 
 
+def probe_mismatches(container: dict, serve_args: list[str]) -> list[str]:
+    """Where a container's HTTP probes disagree with the sixfold-serve they probe: the port they name is
+    not its --http-port (or REST is off), or their scheme is not HTTPS exactly when it has --tls-cert."""
+    args = _parser().parse_args(serve_args)
+    named = container_ports(container)
+    out = []
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        action = container.get(probe, {}).get("httpGet")
+        if action is None:
+            continue
+        port = named.get(action["port"], action["port"])
+        if args.http_port < 1 or port != args.http_port:
+            out.append(f"{probe}: port {action['port']} is not --http-port {args.http_port}")
+        scheme = action.get("scheme", "HTTP")
+        if scheme != ("HTTPS" if args.tls_cert else "HTTP"):
+            out.append(f"{probe}: scheme {scheme} but the server {'has' if args.tls_cert else 'has no'} --tls-cert")
+    return out
+
+
+def test_probes_follow_the_servers_port_and_tls():
+    container = deployment_container()
+    argv = Dockerfile.read().exec_form("ENTRYPOINT")[1:] + container["args"]
+    assert probe_mismatches(container, argv) == []
+    # KServe's runtime declares no probes (KServe adds its own on the port it routes): nothing to disagree
+    [runtime] = _runtime()["spec"]["containers"]
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(runtime)
+    # the check catches a TLS server probed over plain HTTP, and a moved REST port
+    tls = argv + ["--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]
+    assert len(probe_mismatches(container, tls)) == 3
+    https = copy.deepcopy(container)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        https[probe]["httpGet"]["scheme"] = "HTTPS"
+    assert probe_mismatches(https, tls) == []
+    assert len(probe_mismatches(container, argv + ["--http-port", "9000"])) == 3
+    assert len(probe_mismatches(container, argv + ["--http-port", "-1"])) == 3
+
+
 def test_deployment_args_are_sixfold_serve_args():
     container = deployment_container()
     entrypoint = Dockerfile.read().exec_form("ENTRYPOINT")
