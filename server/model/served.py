@@ -56,6 +56,8 @@ class ServedModel:
             return served.batcher.queued if served is not None and served.batcher is not None else 0
 
         self._metrics.pending = pending
+        if self.runtime is not None:  # its cards' busy time, memory and health, while it lives
+            self.metrics.watch_cards(self.name, self.version, self.runtime)
 
     # NOTE: cached: the plan does not change once served, and these are read on every request.
     @cached_property

@@ -9,8 +9,13 @@ metrics.
 
 Triton's ``nv_*`` series are written as Triton writes them: counters with no ``_total``
 suffix (prometheus-client would add one) and ``nv_inference_pending_request_count`` as a
-gauge, so Triton dashboards, alerts and autoscaling rules work unchanged. Only ``/metrics``
-answers; any other path is 404, so an HTTP probe aimed at the port cannot pass by accident.
+gauge, so Triton dashboards, alerts and autoscaling rules work unchanged. Each model version's
+series are there from the moment it is served, at zero, failures included: one
+``nv_inference_request_failure`` per Triton reason (``REJECTED``, ``CANCELED``, ``BACKEND``,
+``OTHER``) and sixfold reason (label ``sixfold_reason``), so ``rate()`` and ``increase()`` see
+the first failure. The host's CPU and memory are Triton's ``nv_cpu_*`` and the cards
+``sixfold_card_*`` (``sixfold.server.observability.system``). Only ``/metrics`` answers; any
+other path is 404, so an HTTP probe aimed at the port cannot pass by accident.
 """
 
 from __future__ import annotations
@@ -28,10 +33,30 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["MetricsEndpoint", "ServerMetrics", "ModelMetrics"]
+from sixfold.server.observability.system import CardCollector, HostCollector
+
+__all__ = ["MetricsEndpoint", "ServerMetrics", "ModelMetrics", "TRITON_REASONS", "FAILURE_REASONS", "triton_reason"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _ROW_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+TRITON_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+"""Triton's failure reasons (``nv_inference_request_failure``'s label ``reason``)."""
+FAILURE_REASONS: dict[str, str] = {
+    # refused by the scheduler: its queue full, its deadline passed while queued, the server stopping
+    "overloaded": "REJECTED", "deadline": "REJECTED", "unavailable": "REJECTED",
+    "cancelled": "CANCELED",  # the client gave up
+    # the cards (and the host fallback) could not compute it
+    "backend": "BACKEND", "card_hang": "BACKEND", "card_error": "BACKEND", "no_healthy_card": "BACKEND",
+    "host_fallback_error": "BACKEND",
+    "invalid_input": "OTHER", "internal": "OTHER",
+}
+"""Each reason a served model's request can fail for (sixfold's, ``ServingError.reason``) -> Triton's."""
+
+
+def triton_reason(reason: str) -> str:
+    """Triton's failure reason for sixfold's ``reason`` (one sixfold does not know: OTHER)."""
+    return FAILURE_REASONS.get(reason, "OTHER")
 
 
 class ServerMetrics:
@@ -51,6 +76,9 @@ class ServerMetrics:
         r.register(_RequestCollector(self._models))
         self._table_caches: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
         r.register(_TableCacheCollector(self._table_caches))
+        self._runtimes: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
+        r.register(CardCollector(self._runtimes))
+        r.register(HostCollector())
         self._endpoint = MetricsEndpoint(self)
 
     def for_model(self, model: str, version: str) -> "ModelMetrics":
@@ -60,6 +88,10 @@ class ServerMetrics:
         if bound is None:
             bound = self._models[key] = ModelMetrics(self, model, version)
         return bound
+
+    def watch_cards(self, model: str, version: str, runtime: Any) -> None:
+        """Export the cards of ``runtime`` (a ``PlanRuntime``: busy time, memory, health) while it lives."""
+        self._runtimes[(model, version)] = runtime
 
     def watch_table_cache(self, model: str, version: str, stage: Any) -> None:
         """Export ``stage``'s tiered row stores (``stage.stores``: hits, misses, bytes, read times) while it lives."""
@@ -184,7 +216,7 @@ class ModelMetrics:
         # Per-request series: plain numbers, exported by _RequestCollector at scrape time.
         self.requests = 0
         self.items = 0
-        self.request_s = self.queue_s = self.host_s = self.card_s = 0.0
+        self.request_s = self.queue_s = self.host_s = self.card_s = self.output_s = 0.0
         self.request_seconds, self.queue_seconds = _Buckets(_LATENCY_BUCKETS), _Buckets(_LATENCY_BUCKETS)
         # Per-batch series, the same way.
         self.batches = self.host_dense_batches = 0
@@ -193,8 +225,8 @@ class ModelMetrics:
         self.host_dense_max_rows = m.host_dense_max_rows.labels(model)
         self._host_dense_max_rows: int | None = None
         self._cards: dict[int, tuple] = {}
-        self.failures: dict[str, int] = {}
-        """Failed requests by reason (Triton's nv_inference_request_failure)."""
+        self.failures: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
+        """Failed requests by sixfold's reason, every known one from the start (Triton's nv_inference_request_failure)."""
         self.pending: Callable[[], int] = lambda: 0
         """Requests waiting in the model's queue, read at scrape time (the served model sets it)."""
 
@@ -215,6 +247,9 @@ class ModelMetrics:
         self.queue_s += queue_s
         self.host_s += host_s
         self.card_s += card_s
+        # Triton's compute output: what is left of the request's time (answers split off the batch),
+        # as ModelStatistics' compute_output
+        self.output_s += max(0.0, total_s - queue_s - host_s - card_s)
         self.request_seconds.observe(total_s)
         self.queue_seconds.observe(queue_s)
 
@@ -357,6 +392,9 @@ _TRITON_SERIES: tuple[tuple[str, str, str, Callable[["ModelMetrics"], float]], .
      "Cumulative compute input duration in microseconds (sixfold: the host stage)", lambda m: m.host_s * 1e6),
     ("nv_inference_compute_infer_duration_us", "counter",
      "Cumulative compute inference duration in microseconds (sixfold: the card stage)", lambda m: m.card_s * 1e6),
+    ("nv_inference_compute_output_duration_us", "counter",
+     "Cumulative inference compute output duration in microseconds (sixfold: the rest of the request's time "
+     "after queue, host and card stages)", lambda m: m.output_s * 1e6),
     ("nv_inference_pending_request_count", "gauge",
      "Instantaneous number of pending requests awaiting execution per-model", lambda m: m.pending()),
 )
@@ -376,10 +414,14 @@ def _triton_exposition(models: list[ModelMetrics]) -> str:
         for m in models:
             lines.append(f'{name}{{model="{_label_value(m.model)}",version="{_label_value(m.version)}"}} '
                          f"{floatToGoString(value(m))}")
-    lines += ["# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes",
+    lines += ["# HELP nv_inference_request_failure Number of failed inference requests, all batch sizes "
+              "(reason: Triton's; sixfold_reason: sixfold's)",
               "# TYPE nv_inference_request_failure counter"]
+    order = {reason: i for i, reason in enumerate(TRITON_REASONS)}
     for m in models:
-        for reason, count in sorted(m.failures.items()):
+        failures = sorted(m.failures.items(), key=lambda item: (order[triton_reason(item[0])], item[0]))
+        for reason, count in failures:
             lines.append(f'nv_inference_request_failure{{model="{_label_value(m.model)}",'
-                         f'version="{_label_value(m.version)}",reason="{_label_value(reason)}"}} {count}')
+                         f'version="{_label_value(m.version)}",reason="{triton_reason(reason)}",'
+                         f'sixfold_reason="{_label_value(reason)}"}} {floatToGoString(count)}')
     return "\n".join(lines) + "\n"

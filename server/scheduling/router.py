@@ -9,6 +9,7 @@ includes its wait behind the card's earlier batches.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 __all__ = ["LeastLoadedRouter", "CardLoad", "NoHealthyCard"]
@@ -29,6 +30,9 @@ class CardLoad:
     rows: int = 0
     healthy: bool = True
     failures: int = 0
+    busy_s: float = 0.0
+    """Seconds the card held at least one batch, up to its last idle moment (``busy_seconds``: up to now)."""
+    busy_since: float = 0.0
 
 
 class LeastLoadedRouter:
@@ -50,6 +54,8 @@ class LeastLoadedRouter:
                                 f"(out of rotation: {down}, tried: {sorted(exclude)})")
         index = min(candidates, key=lambda i: (self.loads[i].outstanding_rows, self.loads[i].last_used))
         load = self.loads[index]
+        if not load.outstanding_batches:
+            load.busy_since = time.perf_counter()
         load.outstanding_rows += rows
         load.outstanding_batches += 1
         load.last_used = next(self._tick)
@@ -68,8 +74,20 @@ class LeastLoadedRouter:
         load.outstanding_batches -= 1
         # NOTE: float sums drift; an idle card holds exactly nothing
         load.outstanding_s = load.outstanding_s - seconds if load.outstanding_batches else 0.0
+        if not load.outstanding_batches:
+            load.busy_s += time.perf_counter() - load.busy_since
         load.batches += 1
         load.rows += rows
+
+    def busy_seconds(self, index: int) -> float:
+        """Seconds card ``index`` has held at least one batch so far (its utilisation is this over wall time).
+
+        Read from the metrics thread while the event loop writes: a read racing a release can come
+        out a little low once, so a reader that needs a counter keeps the largest value it saw.
+        """
+        load = self.loads[index]
+        busy = load.busy_s
+        return busy + (time.perf_counter() - load.busy_since if load.outstanding_batches else 0.0)
 
     def mark_down(self, index: int) -> None:
         self.loads[index].healthy = False

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.observability.metrics import FAILURE_REASONS, TRITON_REASONS, ServerMetrics, triton_reason
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -54,9 +54,32 @@ def test_request_series_count_sum_and_bucket_like_prometheus_client():
     assert abs(s[("nv_inference_compute_infer_duration_us", two)] - 2e5) < 1e-6
 
 
-def test_a_server_with_no_requests_exports_no_request_samples():
+def test_a_server_with_no_model_exports_no_request_samples():
     s = _samples(ServerMetrics())
-    assert not [k for k in s if k[0].startswith(("sixfold_inference_request_success", "nv_inference_count"))]
+    assert not [k for k in s if k[0].startswith(("sixfold_inference_request_success", "nv_inference"))]
+
+
+_TRITON_COUNTERS = ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count",
+                    "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+                    "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+                    "nv_inference_compute_output_duration_us")
+
+
+def test_a_served_version_has_every_triton_series_at_zero_before_its_first_request():
+    """rate() and increase() miss a series' first sample: each one is there, at 0, from the start."""
+    metrics = ServerMetrics()
+    metrics.for_model("rm2", "1")
+    metrics.for_model("rm2", "2")
+    s = _samples(metrics)
+    for version in ("1", "2"):
+        labels = (("model", "rm2"), ("version", version))
+        for name in (*_TRITON_COUNTERS, "nv_inference_pending_request_count"):
+            assert s[(name, labels)] == 0, (name, version)
+        failures = {dict(k[1])["reason"]: v for k, v in s.items()
+                    if k[0] == "nv_inference_request_failure" and dict(k[1])["version"] == version}
+        assert sorted(failures) == sorted(TRITON_REASONS) and not any(failures.values())
+    every = {dict(k[1])["sixfold_reason"]: dict(k[1])["reason"] for k in s if k[0] == "nv_inference_request_failure"}
+    assert every == FAILURE_REASONS
 
 
 def test_batch_series_count_sum_and_bucket_like_prometheus_client():
@@ -82,24 +105,37 @@ def test_triton_series_are_typed_as_triton_types_them():
     metrics = ServerMetrics()
     m = metrics.for_model("rm2", "1")
     m.record_success(4, 0.002, 0.001, 0.0005, 0.0005)
-    m.record_failure("overloaded")
-    m.record_failure("overloaded")
-    m.record_failure("invalid_input")
+    for reason in ("overloaded", "overloaded", "invalid_input", "cancelled", "card_hang", "deadline", "not_a_reason"):
+        m.record_failure(reason)
     m.pending = lambda: 7
     types, s = _types(metrics), _samples(metrics)
-    for name in ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count",
-                 "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
-                 "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
-                 "nv_inference_request_failure"):
+    for name in (*_TRITON_COUNTERS, "nv_inference_request_failure"):
         assert types[name] == "counter", name
         assert f"{name}_total" not in types   # Triton's names carry no suffix
     assert types["nv_inference_pending_request_count"] == "gauge"
     one = (("model", "rm2"), ("version", "1"))
     assert s[("nv_inference_pending_request_count", one)] == 7
-    failed = lambda reason: s[("nv_inference_request_failure",  # noqa: E731
-                               (("model", "rm2"), ("reason", reason), ("version", "1")))]
-    assert failed("overloaded") == 2 and failed("invalid_input") == 1
+    # what is left of the request after queue, host and card: 2 - 1 - 0.5 - 0.5 ms
+    assert s[("nv_inference_compute_output_duration_us", one)] == pytest.approx(0.0, abs=1e-6)
+    failed = lambda reason, detail: s[("nv_inference_request_failure", (  # noqa: E731
+        ("model", "rm2"), ("reason", reason), ("sixfold_reason", detail), ("version", "1")))]
+    assert failed("REJECTED", "overloaded") == 2 and failed("REJECTED", "deadline") == 1
+    assert failed("OTHER", "invalid_input") == 1 and failed("OTHER", "not_a_reason") == 1
+    assert failed("CANCELED", "cancelled") == 1 and failed("BACKEND", "card_hang") == 1
+    by_triton = {r: sum(v for k, v in s.items() if k[0] == "nv_inference_request_failure" and ("reason", r) in k[1])
+                 for r in TRITON_REASONS}
+    assert by_triton == {"REJECTED": 3, "CANCELED": 1, "BACKEND": 1, "OTHER": 2}
+    assert triton_reason("unavailable") == "REJECTED" and triton_reason("no_healthy_card") == "BACKEND"
     assert s[("sixfold_inference_request_failure_total", (("model", "rm2"), ("reason", "overloaded")))] == 2
+
+
+def test_compute_output_is_the_rest_of_the_request():
+    metrics = ServerMetrics()
+    m = metrics.for_model("rm2", "1")
+    m.record_success(4, 0.010, 0.002, 0.003, 0.004)   # 1 ms left after queue, host and card
+    m.record_success(4, 0.001, 0.002, 0.0, 0.0)       # clocks disagree: never below 0
+    assert _samples(metrics)[("nv_inference_compute_output_duration_us", (("model", "rm2"), ("version", "1")))] == \
+        pytest.approx(1000.0)
 
 
 def test_label_values_are_escaped():
