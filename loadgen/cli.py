@@ -25,9 +25,9 @@ from typing import Any
 from rich.console import Console
 
 from sixfold.loadgen.arrivals import ARRIVAL_FORMS
-from sixfold.loadgen.config import CLIENTS, IDS_DTYPES, LoadConfig, parse_float_list, parse_int_list
+from sixfold.loadgen.config import CLIENTS, IDS_DTYPES, PROTOCOLS, LoadConfig, parse_float_list, parse_int_list
 from sixfold.loadgen.errors import LoadgenError
-from sixfold.loadgen.report import Report, print_report
+from sixfold.loadgen.report import Report, endpoint_note, print_report
 
 __all__ = ["main", "build_parser"]
 
@@ -35,10 +35,19 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sixfold-loadgen",
-        description="Load for recommendation models over KServe v2 gRPC. Open loop by default: requests go "
+        description="Load for recommendation models over KServe v2 gRPC or REST. Open loop by default: requests go "
                     "out on a schedule (Poisson by default) whatever the server does; latency is measured from "
                     "each request's scheduled time. See docs/loadgen.md.")
-    p.add_argument("--url", required=True, help="server as HOST:PORT (gRPC), e.g. 127.0.0.1:8001")
+    p.add_argument("--url", required=True,
+                   help="server as HOST:PORT, no scheme: its gRPC port (e.g. 127.0.0.1:8001), or its REST port "
+                        "with --protocol http (e.g. 127.0.0.1:8000)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
+                   help="grpc: KServe v2 gRPC (default); http: KServe v2 REST, tensors in the binary-data "
+                        "extension (readiness, discovery and every request)")
+    p.add_argument("--ssl", action="store_true", help="TLS: gRPC over TLS, or HTTPS with --protocol http")
+    p.add_argument("--root-certificates", default=None, metavar="PEM",
+                   help="with --ssl: trust the server's certificate by these CA certificates (PEM file; "
+                        "default: the system's)")
     p.add_argument("--model", required=True, help="model name on the server")
     p.add_argument("--model-version", default="", help="model version (default: the server's choice)")
     p.add_argument("--qps", type=float, default=None,
@@ -89,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse_indices on the wire: int64 (the signature's, default) or int32, half the bytes; "
                         "sixfold takes int32 ids for table-batched models (the zoo's), another server may not")
     p.add_argument("--client", choices=CLIENTS, default="raw",
-                   help="raw: requests pre-serialized, sent on a gRPC channel (default); "
-                        "tritonclient: every request through InferenceServerClient.infer; "
+                   help="raw: requests pre-serialized, sent on a gRPC channel or HTTP connections (default); "
+                        "tritonclient: every request through InferenceServerClient.infer (tritonclient.grpc.aio "
+                        "or .http.aio); "
                         "shm: a server on this host reads each query's tensors from a shared memory segment "
                         "(Triton's system shared memory extension), so only a small request crosses the socket")
     p.add_argument("--lag-threshold-ms", type=float, default=5.0,
@@ -142,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit 3 when LoadGen judges the run INVALID or a request failed")
     p.add_argument("--processes", type=int, default=1,
                    help="spread an open-loop run over N generator processes (when one falls behind)")
-    p.add_argument("--quiet", action="store_true", help="no live progress and no table")
+    p.add_argument("--quiet", action="store_true",
+                   help="no live progress and no table (--find-max-qps still prints its answer, one line)")
     return p
 
 
@@ -192,7 +203,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
             table_rows=parse_int_list(args.table_rows, "--table-rows") if args.table_rows else None,
             pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
             dense_dim=args.dense_dim, zipf=_zipf(args), client=args.client, channels=args.channels,
-            ids_dtype=args.ids_dtype)
+            ids_dtype=args.ids_dtype, **_connection(args))
     rate_free = args.concurrency is not None or args.replay or args.arrival.strip().lower().startswith("trace:")
     if args.qps is None and not (rate_free or args.find_max_qps or args.export_perf_analyzer):
         raise ValueError("--qps is required (or give --concurrency, --find-max-qps, --replay, "
@@ -218,7 +229,18 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         dense_dim=args.dense_dim, zipf=_zipf(args),
         id_drift=args.id_drift, concurrency=args.concurrency, record_path=args.record, replay_path=args.replay,
         client=args.client, lag_threshold_ms=args.lag_threshold_ms, channels=args.channels,
-        ids_dtype=args.ids_dtype)
+        ids_dtype=args.ids_dtype, **_connection(args))
+
+
+def _connection(args: argparse.Namespace) -> dict[str, Any]:
+    """--protocol, --ssl, --root-certificates as LoadConfig fields (ValueError names the flag)."""
+    if args.root_certificates and not args.ssl:
+        raise ValueError("--root-certificates needs --ssl")
+    if args.protocol == "http" and args.client == "shm":
+        raise ValueError("--client shm needs --protocol grpc (sixfold's REST serves no shared memory)")
+    if args.protocol == "http" and args.channels != 1:
+        raise ValueError("--channels is for gRPC; over --protocol http connections open as requests need them")
+    return {"protocol": args.protocol, "ssl": args.ssl, "root_certificates": args.root_certificates}
 
 
 def _zipf(args: argparse.Namespace) -> float | tuple[float, ...] | None:
@@ -229,7 +251,8 @@ def _zipf(args: argparse.Namespace) -> float | tuple[float, ...] | None:
 def _run_mlperf(args: argparse.Namespace, config: LoadConfig, settings: Any, console: Console | None) -> int:
     from sixfold.loadgen.mlperf import run_mlperf
     if console is not None:
-        console.print(f"MLPerf LoadGen {settings.scenario}: {config.model} @ {config.url}, "
+        console.print(f"MLPerf LoadGen {settings.scenario}: {config.model} @ {config.url}"
+                      f"{endpoint_note({'protocol': config.protocol, 'ssl': config.ssl})}, "
                       f"{settings.qps:g} q/s, >= {settings.min_duration_s:g} s and >= "
                       f"{settings.min_query_count} {'queries' if settings.scenario == 'server' else 'samples'}"
                       + (f", p{settings.latency_percentile:g} <= {settings.latency_ms:g} ms"
@@ -323,7 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         from sixfold.loadgen.plot import plot_all
         plots = plot_all(report, args.plot)
-    if not args.quiet:
+    if args.quiet:
+        if report.sweep is not None:  # NOTE: the one line a --quiet search exists to give
+            from sixfold.loadgen.sweep import answer_line
+            print(answer_line(report))
+    else:
         print_report(report, console)
         if report.sweep is not None:
             from sixfold.loadgen.sweep import print_sweep

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -11,10 +12,12 @@ from sixfold.models.requests import parse_query_sizes
 from sixfold.loadgen.arrivals import parse_arrival
 
 __all__ = ["LoadConfig", "parse_int_list", "parse_float_list", "REQUEST_LIMIT", "CLOSED_LOOP_QUERIES", "CLIENTS",
-           "IDS_DTYPES"]
+           "IDS_DTYPES", "PROTOCOLS"]
 
 CLIENTS = ("raw", "tritonclient", "shm")
 """How requests are sent (``LoadConfig.client``, ``sixfold-loadgen --client``; ``sixfold.loadgen.transport``)."""
+PROTOCOLS = ("grpc", "http")
+"""KServe v2 over gRPC, or over REST (HTTP/1.1; the binary-data extension) (``sixfold-loadgen --protocol``)."""
 IDS_DTYPES = ("int64", "int32")
 """How ``sparse_indices`` go on the wire: INT64 (the signature's), or INT32 (half the bytes)."""
 
@@ -51,7 +54,7 @@ class LoadConfig:
     """An open-loop run against one model of a KServe v2 server."""
 
     url: str
-    """Server address as HOST:PORT (gRPC, no scheme)."""
+    """Server address as HOST:PORT (no scheme: ``protocol`` and ``ssl`` say how to speak to it)."""
     model: str
     qps: float
     """Target offered load: mean requests (queries) per second. 0 means "not set", allowed only in
@@ -104,10 +107,29 @@ class LoadConfig:
     ids_dtype: Literal["int64", "int32"] = "int64"
     """``int32``: send ``sparse_indices`` as INT32, half the bytes of INT64, to a server that takes
     them (sixfold does for table-batched models; another server may refuse them)."""
+    protocol: Literal["grpc", "http"] = "grpc"
+    """``grpc`` (KServe v2 gRPC) or ``http`` (KServe v2 REST, tensors in the binary-data extension):
+    readiness, discovery and every request go over it."""
+    ssl: bool = False
+    """TLS: gRPC over TLS, or HTTPS."""
+    root_certificates: str | None = None
+    """PEM file of the certificates to trust the server's by (with ``ssl``); None: the system's."""
 
     def __post_init__(self) -> None:
         if not self.url or "://" in self.url or ":" not in self.url:
-            raise ValueError(f"bad url {self.url!r}: expected HOST:PORT (gRPC, no scheme), e.g. 127.0.0.1:8001")
+            raise ValueError(f"bad url {self.url!r}: expected HOST:PORT (no scheme; --protocol http for REST, "
+                             "--ssl for TLS), e.g. 127.0.0.1:8001")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"bad protocol {self.protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        if self.root_certificates is not None:
+            if not self.ssl:
+                raise ValueError("root_certificates (--root-certificates) needs ssl (--ssl)")
+            if not os.path.isfile(self.root_certificates):
+                raise ValueError(f"--root-certificates {self.root_certificates!r}: no such file")
+        if self.protocol == "http" and self.client == "shm":
+            raise ValueError("the shm client needs protocol grpc (sixfold's REST serves no shared memory)")
+        if self.protocol == "http" and self.channels > 1:
+            raise ValueError("channels > 1 is for gRPC; over HTTP connections open as requests need them")
         if not self.model:
             raise ValueError("a model name is required")
         if not (math.isfinite(self.duration_s) and self.duration_s > 0):

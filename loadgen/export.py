@@ -25,7 +25,6 @@ import numpy as np
 from sixfold.loadgen.config import LoadConfig
 from sixfold.loadgen.runner import ClientFactory, Target, plan_run, resolve_config
 from sixfold.loadgen.target import DEFAULT_POOLING, DEFAULT_ZIPF, ModelShape
-from sixfold.loadgen.transport import make_client
 
 __all__ = ["write_perf_analyzer_json", "export_perf_analyzer_async", "offline_shape"]
 
@@ -73,7 +72,7 @@ def offline_shape(config: LoadConfig) -> ModelShape | None:
 
 
 async def export_perf_analyzer_async(config: LoadConfig, path: str | Path, *, count: int | None = None,
-                                     client_factory: ClientFactory = make_client) -> tuple[Path, int]:
+                                     client_factory: ClientFactory | None = None) -> tuple[Path, int]:
     """Write the first ``count`` queries of ``config``'s schedule (default: ``max_requests`` or ``pool``)."""
     config = resolve_config(config)
     shape = offline_shape(config)

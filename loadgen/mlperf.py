@@ -3,7 +3,8 @@
 MLCommons' LoadGen decides when queries go out and judges the run (VALID or
 INVALID: latency bound met at the percentile, minimum duration and query count
 reached, early-stopping criterion satisfied); this module is the system under
-test (SUT) that forwards each LoadGen sample to the server over gRPC.
+test (SUT) that forwards each LoadGen sample to the server over gRPC or REST
+(``protocol``), with TLS when the config says ``ssl``.
 
 As in the MLPerf DLRM reference, one LoadGen *sample* is one user query: a
 request of 100..700 items drawn from the MLPerf query-size distribution (or
@@ -41,7 +42,7 @@ from sixfold.models.requests import parse_query_sizes
 
 from sixfold.loadgen.config import LoadConfig
 from sixfold.loadgen.runner import ClientFactory, Target, generator_for
-from sixfold.loadgen.transport import RequestFailed, Transport, make_client
+from sixfold.loadgen.transport import RequestFailed, Transport
 
 __all__ = ["MLPerfSettings", "MLPerfResult", "run_mlperf", "parse_summary", "MLPERF_MIN_QUERIES",
            "MLPERF_MIN_DURATION_S"]
@@ -272,13 +273,13 @@ def _log_settings(lg: Any, outdir: Path) -> Any:
 
 
 async def _open(config: LoadConfig, client_factory: ClientFactory) -> Target:
-    # NOTE: on the SUT loop's thread: grpc.aio channels belong to the loop they are made on.
+    # NOTE: on the SUT loop's thread: grpc.aio channels and aiohttp sessions belong to the loop they are made on.
     target = Target(config, client_factory)
     return await target.__aenter__()
 
 
 def run_mlperf(config: LoadConfig, settings: MLPerfSettings, *,
-               client_factory: ClientFactory = make_client) -> MLPerfResult:
+               client_factory: ClientFactory | None = None) -> MLPerfResult:
     """Run one LoadGen test of ``settings.scenario`` against ``config``'s server and model.
 
     ``config`` gives the server, model, shape overrides, seed, ``query_size``
@@ -334,5 +335,5 @@ def run_mlperf(config: LoadConfig, settings: MLPerfSettings, *,
         errors_by_reason=dict(sut.errors), summary_path=str(summary),
         detail_path=str(outdir / "mlperf_log_detail.txt"),
         settings={**asdict(settings), "min_query_count": settings.min_query_count, "url": config.url,
-                  "model": config.model, "query_size": config.query_size, "seed": config.seed,
+                  "protocol": config.protocol, "ssl": config.ssl, "model": config.model, "query_size": config.query_size, "seed": config.seed,
                   "qsl_items_mean": float(items.mean())})

@@ -1,6 +1,6 @@
 """PNG plots of a run (matplotlib, Agg backend: no display needed).
 
-- timeline: p50/p99 latency and sent/ok/errors per second of the window;
+- timeline: p50/p99 latency and sent (bars) / ok / errors (lines) per second of the window;
 - CDF: the latency distribution (``latency_cdf_ms``), log-scaled tail view;
 - sweep: offered QPS vs p99 (and achieved QPS) of a ``--find-max-qps`` search.
 
@@ -56,12 +56,16 @@ def plot_report(report: Report, path: str | Path) -> Path:
     ax_lat.set_ylabel("latency from scheduled send (ms)")
     ax_lat.legend()
     ax_lat.grid(alpha=0.3)
-    ax_qps.plot(t, [r["sent"] for r in rows], label="sent")
-    ax_qps.plot(t, [r["ok"] for r in rows], label="ok")
-    ax_qps.plot(t, [r["errors"] for r in rows], label="errors")
+    # NOTE: sent and ok are equal in any second where all were answered: bars under a line keep both in sight
+    ax_qps.bar(t, [r["sent"] for r in rows], width=0.8, color="lightgrey", edgecolor="grey", label="sent")
+    ax_qps.plot(t, [r["ok"] for r in rows], color="tab:green", marker=".", label="ok")
+    ax_qps.plot(t, [r["errors"] for r in rows], color="tab:red", marker="x", label="errors")
     ax_qps.set_ylabel("requests per second (by due time)")
     ax_qps.set_xlabel("second of the measured window")
-    ax_qps.legend()
+    ax_qps.set_ylim(0, 1.3 * max([1] + [r["sent"] for r in rows]))  # room above the bars for the legend
+    handles, labels = ax_qps.get_legend_handles_labels()
+    order = [labels.index(name) for name in ("sent", "ok", "errors")]
+    ax_qps.legend([handles[k] for k in order], [labels[k] for k in order], loc="upper right", ncol=3)
     ax_qps.grid(alpha=0.3)
     fig.suptitle(_title(report))
     return _save(fig, path)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Report", "SCHEMA", "print_report", "generator_fell_behind"]
+__all__ = ["Report", "SCHEMA", "print_report", "generator_fell_behind", "endpoint_note"]
 
 SCHEMA = "sixfold.loadgen.report/1"
 
@@ -78,6 +78,12 @@ def generator_fell_behind(report: Report) -> bool:
     return p99 is not None and p99 > report.send_lag_ms["threshold_ms"]
 
 
+def endpoint_note(target: dict[str, Any]) -> str:
+    """`` (REST, TLS)``, `` (TLS)``, `` (REST)`` or nothing (gRPC, plaintext) for a report's ``target``."""
+    parts = (["REST"] if target.get("protocol") == "http" else []) + (["TLS"] if target.get("ssl") else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
@@ -85,7 +91,8 @@ def _ms(value: float | None) -> str:
 def print_report(report: Report, console: Console) -> None:
     """The summary table, then any warnings (a generator that fell behind in bold red)."""
     lat, req, size, lag = report.latency_ms, report.requests, report.query_size, report.send_lag_ms
-    table = Table(title=Text(f"sixfold-loadgen  {report.target.get('model', '')} @ {report.target.get('url', '')}"),
+    table = Table(title=Text(f"sixfold-loadgen  {report.target.get('model', '')} @ {report.target.get('url', '')}"
+                             + endpoint_note(report.target)),
                   show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")

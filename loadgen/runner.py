@@ -29,16 +29,21 @@ from sixfold.loadgen.errors import LoadgenError
 from sixfold.loadgen.progress import live_progress
 from sixfold.loadgen.record import RunRecord
 from sixfold.loadgen.recording import Recording, load_recording, save_recording
-from sixfold.loadgen.report import Report
+from sixfold.loadgen.report import Report, endpoint_note
 from sixfold.loadgen.schedule import QueryPool, Schedule, build_schedule
 from sixfold.loadgen.stats import latency_cdf, timeline, window_stats
-from sixfold.loadgen.target import ModelShape, ShapeOverrides, discover_shape, published_facts, wait_until_ready
-from sixfold.loadgen.transport import Transport, make_client, make_transport
+from sixfold.loadgen.target import (ModelShape, ShapeOverrides, discover_shape, published_facts, unreachable_hint,
+                                    wait_until_ready)
+from sixfold.loadgen.transport import Transport, connection_options, make_client, make_transport
 
 __all__ = ["run_load", "run_load_async", "plan_run", "summarize", "drive", "Target", "resolve_config",
            "schedule_from_recording", "generator_for"]
 
+FEW_SAMPLES = 100
+"""Below this many answered requests in the window, the report warns that its p99 is about its max."""
 ClientFactory = Callable[[str], Any]
+"""Makes the control-plane client from a URL (tests pass fakes); None: ``make_client`` with the run's
+protocol and TLS (``config.protocol``, ``config.ssl``, ``config.root_certificates``)."""
 
 
 def generator_for(config: LoadConfig, shape: ModelShape) -> RequestGenerator:
@@ -133,6 +138,11 @@ def _warnings(stats: dict[str, Any], config: LoadConfig, truncated: bool) -> lis
     if truncated:
         out.append(f"max_requests={config.max_requests} cut the schedule short: the measured window "
                    f"is {stats['window_s']:.2f} s, not {config.duration_s:g} s")
+    if 0 < req["ok"] < FEW_SAMPLES:
+        # NOTE: nearest rank: with n < 100 answers, p99 is the slowest one (n <= 100: rank n) or next to it
+        out.append(f"few samples: the latency percentiles rest on {req['ok']} answered requests; p99 needs "
+                   f"{FEW_SAMPLES} or more to be more than the slowest of them (p99.9: 1000): measure longer "
+                   f"(--duration) or at a higher rate for a tail worth quoting")
     return out
 
 
@@ -166,19 +176,21 @@ def summarize(record: RunRecord, config: LoadConfig, target: dict[str, Any], *,
 class Target:
     """``async with Target(config) as t``: a ready server, the model's shape, an open transport."""
 
-    def __init__(self, config: LoadConfig, client_factory: ClientFactory = make_client, *,
+    def __init__(self, config: LoadConfig, client_factory: ClientFactory | None = None, *,
                  recorded_shape: dict[str, Any] | None = None) -> None:
         self.config = config
         self.recorded_shape = recorded_shape
         """A replayed recording's shape: the server's must agree with it (checked on entry)."""
-        self.client = client_factory(config.url)
+        self.client = (client_factory(config.url) if client_factory is not None
+                       else make_client(config.url, **connection_options(config)))
         self.transport: Transport | None = None
         self.shape: ModelShape | None = None
 
     async def __aenter__(self) -> "Target":
         config = self.config
         try:
-            await wait_until_ready(self.client, config.url, config.model, config.model_version, config.wait_ready_s)
+            await wait_until_ready(self.client, config.url, config.model, config.model_version, config.wait_ready_s,
+                                   hint=unreachable_hint(config.protocol, config.ssl))
             overrides = ShapeOverrides(config.table_rows, config.pooling, config.dense_dim, config.zipf)
             if self.recorded_shape is not None:
                 await self._check_recorded_shape()
@@ -188,7 +200,8 @@ class Target:
                     if key in self.recorded_shape:
                         self.shape.sources[key] = "recording"
             self.transport = make_transport(config.client, config.url, self.client, config.model,
-                                            config.model_version, config.channels, config.ids_dtype)
+                                            config.model_version, config.channels, config.ids_dtype,
+                                            **connection_options(config))
             await self.transport.connect(max(1.0, config.wait_ready_s))
         except BaseException:
             await self.__aexit__()
@@ -227,7 +240,8 @@ class Target:
     def describe(self, schedule: Schedule) -> dict[str, Any]:
         """The report's ``target``."""
         assert self.shape is not None
-        return {"url": self.config.url, "model": self.config.model, "version": self.config.model_version,
+        return {"url": self.config.url, "protocol": self.config.protocol, "ssl": self.config.ssl,
+                "model": self.config.model, "version": self.config.model_version,
                 "pool_queries": len(schedule.pool), **self.shape.to_dict()}
 
 
@@ -267,14 +281,15 @@ async def drive(config: LoadConfig, schedule: Schedule, transport: Transport, *,
 
 
 async def run_load_async(config: LoadConfig, *, console: Console | None = None, clock: Clock | None = None,
-                         client_factory: ClientFactory = make_client) -> Report:
+                         client_factory: ClientFactory | None = None) -> Report:
     """Run ``config`` on the running event loop and return its Report.
 
     Raises ``LoadgenError`` when the server or model cannot be used, and
     ``ValueError`` for bad specs. Live progress goes to ``console`` if given.
     ``clock`` times the schedule (tests pass a fake one); ``client_factory``
-    makes the tritonclient ``InferenceServerClient`` used for readiness and
-    discovery (and for sending, with ``client="tritonclient"``). With
+    makes the client used for readiness and discovery (and for sending, with
+    ``client="tritonclient"``; default: ``make_client`` for the config's
+    protocol and TLS). With
     ``config.replay_path`` the recorded schedule and tensors are sent; with
     ``config.record_path`` the run is saved (see ``sixfold.loadgen.recording``).
     """
@@ -293,7 +308,8 @@ async def run_load_async(config: LoadConfig, *, console: Console | None = None, 
         if console is not None:
             how = (f"closed loop, {config.concurrency} outstanding" if config.concurrency is not None
                    else f"{len(schedule)} requests ({config.arrival} {config.qps:g} q/s")
-            console.print(f"{config.model} @ {config.url}: {target.shape.num_tables} tables, "
+            console.print(f"{config.model} @ {config.url}{endpoint_note(connection_options(config))}: "
+                          f"{target.shape.num_tables} tables, "
                           f"{target.shape.dense_dim} dense; {len(schedule.pool)} queries prepared in "
                           f"{time.perf_counter() - prepared:.1f} s; sending {how}, "
                           f"{config.warmup_s:g} s warmup + {config.duration_s:g} s"

@@ -34,11 +34,10 @@ from rich.text import Text
 
 from sixfold.loadgen.clock import Clock, MonotonicClock
 from sixfold.loadgen.config import LoadConfig
-from sixfold.loadgen.report import Report
+from sixfold.loadgen.report import Report, endpoint_note
 from sixfold.loadgen.runner import ClientFactory, Target, drive, plan_run, resolve_config, summarize
-from sixfold.loadgen.transport import make_client
 
-__all__ = ["SweepConfig", "find_max_qps", "find_max_qps_async", "step_passes", "print_sweep"]
+__all__ = ["SweepConfig", "find_max_qps", "find_max_qps_async", "step_passes", "print_sweep", "answer_line"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,8 @@ def _fmt(value: float | None) -> str:
 def print_sweep(report: Report, console: Console) -> None:
     """The step table and the answer."""
     slo = report.slo or {}
-    table = Table(title=Text(f"find-max-qps  {report.target.get('model', '')} @ {report.target.get('url', '')}  "
+    table = Table(title=Text(f"find-max-qps  {report.target.get('model', '')} @ {report.target.get('url', '')}"
+                             f"{endpoint_note(report.target)}  "
                              f"(p99 <= {slo.get('p99_ms', 0):g} ms)"), header_style="bold")
     for name in ("step", "phase", "qps", "achieved", "sent", "p50 ms", "p99 ms", "errors", "result"):
         table.add_column(name, justify="left" if name in ("phase", "result") else "right")
@@ -111,14 +111,20 @@ def print_sweep(report: Report, console: Console) -> None:
     if few:  # NOTE: with under 100 samples, "p99" is the slowest request or close to it
         console.print(f"steps {', '.join(map(str, few))} sent under 100 requests: their p99 is about their max; "
                       "a longer --step-duration gives a steadier answer", markup=False, highlight=False)
+    console.print(Text(answer_line(report), style="bold"))
+
+
+def answer_line(report: Report) -> str:
+    """``max QPS with p99 <= 60 ms: 123.4`` (or ``none (even 0.25 q/s fails)``): the search's answer."""
+    slo = report.slo or {}
     best = report.max_qps_under_slo
-    console.print(Text(f"max QPS with p99 <= {slo.get('p99_ms', 0):g} ms: "
-                       + (f"{best:,.1f}" if best is not None else f"none (even {slo.get('floor_qps', slo.get('min_qps', 0)):g} q/s fails)"),
-                       style="bold"))
+    return (f"max QPS with p99 <= {slo.get('p99_ms', 0):g} ms: "
+            + (f"{best:,.1f}" if best is not None
+               else f"none (even {slo.get('floor_qps', slo.get('min_qps', 0)):g} q/s fails)"))
 
 
 async def find_max_qps_async(config: LoadConfig, sweep: SweepConfig, *, console: Console | None = None,
-                             clock: Clock | None = None, client_factory: ClientFactory = make_client) -> Report:
+                             clock: Clock | None = None, client_factory: ClientFactory | None = None) -> Report:
     """Search as the module docstring says; returns the best passing step's Report (else the last
     step's) with ``sweep``, ``max_qps_under_slo`` and ``slo`` filled in."""
     if config.concurrency is not None or config.replay_path is not None:

@@ -23,7 +23,7 @@ from sixfold.models.signature import DENSE, INDICES, LENGTHS
 from sixfold.loadgen.config import parse_int_list
 from sixfold.loadgen.errors import LoadgenError
 
-__all__ = ["ModelShape", "ShapeOverrides", "wait_until_ready", "discover_shape", "shape_from", "published_facts",
+__all__ = ["ModelShape", "ShapeOverrides", "wait_until_ready", "unreachable_hint", "discover_shape", "shape_from", "published_facts",
            "PARAM_TABLE_ROWS", "PARAM_POOLING", "PARAM_ZIPF", "DEFAULT_POOLING", "DEFAULT_ZIPF"]
 
 PARAM_TABLE_ROWS = "sixfold.table_rows"
@@ -76,11 +76,12 @@ def _status(exc: InferenceServerException) -> str:
 
 
 async def wait_until_ready(client: Any, url: str, model: str, version: str, timeout_s: float,
-                           *, poll_s: float = 0.2) -> None:
+                           *, poll_s: float = 0.2, hint: str = "") -> None:
     """Poll ServerReady then ModelReady until both hold or ``timeout_s`` passes.
 
     Fails at once, without waiting, when the server is up but does not know the
-    model (it answers NOT_FOUND): waiting would not help.
+    model (it answers NOT_FOUND): waiting would not help. ``hint`` ends the
+    message when nothing answered (what to check: port, protocol, TLS).
     """
     deadline = time.monotonic() + timeout_s
     last, reached = "no answer", False
@@ -103,8 +104,17 @@ async def wait_until_ready(client: Any, url: str, model: str, version: str, time
             break
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
     if not reached:
-        raise LoadgenError(f"cannot reach a KServe v2 server at {url} within {timeout_s:g} s ({last})")
+        raise LoadgenError(f"cannot reach a KServe v2 server at {url} within {timeout_s:g} s ({last})"
+                           + (f"; {hint}" if hint else ""))
     raise LoadgenError(f"server at {url} or model {model!r} not ready within {timeout_s:g} s ({last})")
+
+
+def unreachable_hint(protocol: str, ssl: bool) -> str:
+    """What to check when nothing answered at the URL, for the protocol and TLS asked."""
+    port = "its gRPC port (REST: --protocol http)" if protocol == "grpc" else "its REST port (gRPC: --protocol grpc)"
+    tls = ("does it serve TLS there, and do --root-certificates trust its certificate?" if ssl
+           else "does it serve TLS? then add --ssl")
+    return f"is the URL {port}? {tls}"
 
 
 def _dims(metadata: Any, name: str) -> list[int]:

@@ -1,6 +1,6 @@
 """How one pre-generated query goes over the wire, and what counts as a failure.
 
-Two clients, both KServe v2 over gRPC:
+Three clients over KServe v2 gRPC (``protocol="grpc"``, the default; REST is ``sixfold.loadgen.rest``):
 
 - ``raw`` (default): each pooled query is encoded once into a serialized
   ``ModelInferRequest`` before the clock starts; a send is one gRPC call on an
@@ -17,6 +17,9 @@ Two clients, both KServe v2 over gRPC:
 
 ``ids_dtype="int32"`` (``--ids-dtype int32``) sends ``sparse_indices`` as INT32: half the bytes of
 the signature's INT64, for a server that takes them (sixfold does for table-batched models).
+
+``ssl=True`` (``--ssl``): the channels are TLS, trusting ``root_certificates`` (a PEM file;
+default the system's roots), for every client and for readiness and discovery.
 
 Either way a failed request raises ``RequestFailed`` with a short reason
 (the gRPC status name, lower case, or ``bad_output``).
@@ -40,11 +43,12 @@ from tritonclient.utils import InferenceServerException
 
 from sixfold.models.signature import INDICES, SCORES
 
-from sixfold.loadgen.config import CLIENTS, IDS_DTYPES
+from sixfold.loadgen.config import CLIENTS, IDS_DTYPES, PROTOCOLS
 from sixfold.loadgen.errors import LoadgenError
 
 __all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "SharedMemoryTransport",
-           "make_transport", "wire_tensors", "DATATYPES", "CHANNEL_OPTIONS", "make_client"]
+           "make_transport", "wire_tensors", "DATATYPES", "CHANNEL_OPTIONS", "make_client", "connection_options",
+           "read_root_certificates"]
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
 CHANNEL_OPTIONS = [
@@ -99,6 +103,31 @@ def wire_tensors(request: Mapping[str, np.ndarray], ids_dtype: str) -> Mapping[s
     return {name: (array.astype(np.int32) if name == INDICES else array) for name, array in request.items()}
 
 
+def read_root_certificates(path: str | None) -> bytes | None:
+    """The PEM bytes of ``--root-certificates`` (None: trust the system's roots)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise LoadgenError(f"--root-certificates {path!r}: {exc.strerror or exc}") from None
+
+
+def connection_options(config: Any) -> dict[str, Any]:
+    """``protocol``, ``ssl`` and ``root_certificates`` of a LoadConfig, as make_client/make_transport take them."""
+    return {"protocol": config.protocol, "ssl": config.ssl, "root_certificates": config.root_certificates}
+
+
+def _grpc_channel(url: str, options: list[tuple[str, Any]], ssl: bool, root_certificates: str | None,
+                  aio: bool = True) -> Any:
+    module = grpc.aio if aio else grpc
+    if not ssl:
+        return module.insecure_channel(url, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=read_root_certificates(root_certificates))
+    return module.secure_channel(url, credentials, options=options)
+
+
 def _check_scores(shape: list[int] | tuple[int, ...], name: str, items: int) -> None:
     if name != SCORES or list(shape) != [items, 1]:
         raise RequestFailed("bad_output", f"expected {SCORES} [{items}, 1], got {name} {list(shape)}")
@@ -118,10 +147,11 @@ class RawGrpcTransport:
     a server of several processes on one port (``sixfold-serve --workers``) sees them all.
     """
 
-    def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64") -> None:
-        self.url, self.model, self.version, self.ids_dtype = url, model, version, ids_dtype
+    def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64", *,
+                 ssl: bool = False, root_certificates: str | None = None) -> None:
+        self.url, self.model, self.version, self.ids_dtype, self.ssl = url, model, version, ids_dtype, ssl
         options = CHANNEL_OPTIONS if channels == 1 else [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-        self._channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(channels)]
+        self._channels = [_grpc_channel(url, options, ssl, root_certificates) for _ in range(channels)]
         calls = [channel.unary_unary(_MODEL_INFER, request_serializer=None,  # payloads are already bytes
                                      response_deserializer=service_pb2.ModelInferResponse.FromString)
                  for channel in self._channels]
@@ -140,7 +170,9 @@ class RawGrpcTransport:
         try:
             await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout_s)
         except asyncio.TimeoutError:
-            raise LoadgenError(f"cannot open a gRPC channel to {self.url} within {timeout_s:g} s") from None
+            hint = (" (TLS: does the server serve TLS, and do --root-certificates trust its certificate?)"
+                    if self.ssl else "")
+            raise LoadgenError(f"cannot open a gRPC channel to {self.url} within {timeout_s:g} s{hint}") from None
 
     async def infer(self, payload: bytes, items: int) -> bytes:
         try:
@@ -165,9 +197,10 @@ class SharedMemoryTransport(RawGrpcTransport):
     resource tracker unlinks them even if loadgen dies without closing.
     """
 
-    def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64") -> None:
-        super().__init__(url, model, version, channels, ids_dtype)
-        self._control = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+    def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64", *,
+                 ssl: bool = False, root_certificates: str | None = None) -> None:
+        super().__init__(url, model, version, channels, ids_dtype, ssl=ssl, root_certificates=root_certificates)
+        self._control = _grpc_channel(url, CHANNEL_OPTIONS, ssl, root_certificates, aio=False)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._control)
         self._segments: list[shared_memory.SharedMemory] = []
         self._tag = uuid.uuid4().hex[:8]
@@ -246,20 +279,43 @@ class TritonClientTransport:
         """The client belongs to the caller, who closes it."""
 
 
-def make_client(url: str) -> tritonaio.InferenceServerClient:
-    """The control-plane client (readiness, metadata, config), with quick reconnects."""
-    return tritonaio.InferenceServerClient(url, channel_args=CHANNEL_OPTIONS)
+def make_client(url: str, *, protocol: str = "grpc", ssl: bool = False,
+                root_certificates: str | None = None) -> Any:
+    """The control-plane client (readiness, metadata, config), with quick reconnects: tritonclient's
+    asyncio gRPC client, or for ``protocol="http"`` an adapter over its REST one with the same methods
+    (``sixfold.loadgen.rest.HttpControlClient``)."""
+    if protocol == "http":
+        from sixfold.loadgen.rest import HttpControlClient
+        return HttpControlClient(url, ssl=ssl, root_certificates=root_certificates)
+    if protocol != "grpc":
+        raise ValueError(f"bad protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+    if ssl:
+        read_root_certificates(root_certificates)  # NOTE: a missing file named as the flag, not as tritonclient's error
+    return tritonaio.InferenceServerClient(url, ssl=ssl, root_certificates=root_certificates,
+                                           channel_args=CHANNEL_OPTIONS)
 
 
-def make_transport(kind: str, url: str, client: tritonaio.InferenceServerClient, model: str,
-                   version: str = "", channels: int = 1, ids_dtype: str = "int64") -> Transport:
-    """The transport named by ``LoadConfig.client`` (``channels``, ``ids_dtype``: see ``LoadConfig``)."""
+def make_transport(kind: str, url: str, client: Any, model: str, version: str = "", channels: int = 1,
+                   ids_dtype: str = "int64", *, protocol: str = "grpc", ssl: bool = False,
+                   root_certificates: str | None = None) -> Transport:
+    """The transport named by ``LoadConfig.client`` over ``protocol`` (``channels``, ``ids_dtype``, ``ssl``,
+    ``root_certificates``: see ``LoadConfig``); ``client`` is what ``make_client`` made."""
     if ids_dtype not in IDS_DTYPES:
         raise ValueError(f"bad ids_dtype {ids_dtype!r}: expected one of {', '.join(IDS_DTYPES)}")
+    if kind not in CLIENTS:
+        raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")
+    tls = {"ssl": ssl, "root_certificates": root_certificates}
+    if protocol == "http":
+        from sixfold.loadgen.rest import RawHttpTransport, TritonHttpTransport
+        if kind == "raw":
+            return RawHttpTransport(url, model, version, ids_dtype, **tls)
+        if kind == "tritonclient":
+            return TritonHttpTransport(client, model, version, ids_dtype)
+        raise ValueError("the shm client needs protocol grpc (sixfold's REST serves no shared memory)")
+    if protocol != "grpc":
+        raise ValueError(f"bad protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
     if kind == "raw":
-        return RawGrpcTransport(url, model, version, channels, ids_dtype)
+        return RawGrpcTransport(url, model, version, channels, ids_dtype, **tls)
     if kind == "tritonclient":
         return TritonClientTransport(client, model, version, ids_dtype)
-    if kind == "shm":
-        return SharedMemoryTransport(url, model, version, channels, ids_dtype)
-    raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")
+    return SharedMemoryTransport(url, model, version, channels, ids_dtype, **tls)

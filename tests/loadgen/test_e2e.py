@@ -39,6 +39,7 @@ async def test_known_latency_gives_known_percentiles_and_rate(fake_server, clien
     assert report.items_per_s == pytest.approx(400.0, rel=0.1)
     assert report.query_size["mean"] == 4 and report.query_size["max"] == 4
     assert server.seen.invalid == [] and len(server.seen.sizes) == 150
+    assert not any(w.startswith("few samples") for w in report.warnings)  # 150 answers: p99 is not the max
     # The server saw the constant schedule: gaps of ~10 ms.
     assert np.median(np.diff(server.seen.arrivals)) == pytest.approx(0.010, abs=0.003)
 
@@ -112,3 +113,12 @@ async def test_waits_for_a_server_that_starts_late(fake_server):
     report = await asyncio.wait_for(run, timeout=10.0)
     assert time.monotonic() - started < 3.0  # noticed within a reconnect backoff
     assert report.requests["ok"] == report.requests["sent"] > 0
+
+
+async def test_a_tail_resting_on_few_answers_is_flagged(fake_server):
+    """12 answers: nearest-rank p99 is the slowest of them; the report says so, with the count."""
+    server = fake_server(latency_s=0.002)
+    report = await run_load_async(config(server, qps=12.0, duration_s=1.0, arrival="constant"))
+    assert report.requests["ok"] == 12 and report.latency_ms["p99"] == report.latency_ms["max"]
+    [warning] = [w for w in report.warnings if w.startswith("few samples")]
+    assert "rest on 12 answered requests" in warning and "100" in warning

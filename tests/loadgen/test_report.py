@@ -72,3 +72,24 @@ async def test_live_progress_on_a_terminal_and_off_it():
         text = out.getvalue()
         assert "ok 100 err 0" in text
         assert ("\x1b[" in text) == terminal  # plain lines, no escape codes, off a terminal
+
+
+def test_timeline_plot_shows_sent_even_where_all_were_answered(tmp_path, monkeypatch):
+    """sent == ok in every second here: sent are bars, ok a line over them, both in the legend."""
+    from matplotlib.container import BarContainer
+
+    from sixfold.loadgen import plot
+
+    report = summarize(record(), CONFIG, {"url": CONFIG.url, "model": "m"})
+    drawn = {}
+    real_save = plot._save
+    monkeypatch.setattr(plot, "_save", lambda fig, path: drawn.setdefault("fig", fig) and real_save(fig, path))
+    path = plot.plot_report(report, tmp_path / "t.png")
+    assert path.stat().st_size > 0
+    ax = drawn["fig"].axes[1]
+    [bars] = [c for c in ax.containers if isinstance(c, BarContainer)]
+    [ok] = [line for line in ax.get_lines() if line.get_label() == "ok"]
+    assert [b.get_height() for b in bars] == list(ok.get_ydata()) == [r["sent"] for r in report.timeline]
+    assert bars.get_label() == "sent" and ok.get_color() != bars.patches[0].get_facecolor()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["sent", "ok", "errors"]
+    assert ax.get_ylim()[1] > max(r["sent"] for r in report.timeline)  # the legend sits above the bars
