@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                         "share of the table bytes such as 10%%; default: every row resident). A model's "
                         "config.pbtxt may set its own (sixfold.table_memory)")
     p.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
-                   help="row cache admission: tinylfu (a row enters on its second miss; default) or clock (every miss)")
+                   help="row cache admission: tinylfu (a row enters on its fourth miss; default) or clock (every miss)")
     p.add_argument("--warm-from", metavar="RECORDING",
                    help="before serving, fill the row cache of models with a table memory from the queries of "
                         "this sixfold-loadgen --record file (docs/tiered-tables.md); a model's config.pbtxt may set "
