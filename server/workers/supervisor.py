@@ -14,8 +14,9 @@ stays with the worker it reached. What they share:
 
 What they do not share: host memory (each worker holds its own copy of resident tables; tiered
 tables share the page cache), batches (a worker batches only the requests it received),
-statistics (each worker's are its own; /metrics is one page, every sample labelled with its
-worker: ``sixfold.server.workers.worker_metrics``), and table deltas (refused: they need ``--workers 1``).
+statistics (each worker's are its own; /metrics is one page, the workers' series merged into one
+process's names and types: ``sixfold.server.workers.worker_metrics``), and table deltas (refused:
+they need ``--workers 1``).
 
 This process only supervises: it starts worker 0 (which binds the ports asked for, 0 included),
 then the others on the ports worker 0 bound, prints the READY line once all serve, passes
@@ -154,7 +155,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
                 stop_all()
                 _wait_all(workers)
                 return 2
-            print_line(f"sixfold-serve: metrics of all workers on {host}:{bound} (label worker)")
+            print_line(f"sixfold-serve: metrics of all workers on {host}:{bound} (summed as one server's)")
         print_line(f"sixfold-serve: {count} workers share {host}:{ports['grpc']} (gRPC)"
                    + (f" and {host}:{ports['http']} (REST)" if ports["http"] is not None else "")
                    + f"; run folder {folder}")

@@ -41,14 +41,16 @@ def _workers(proc: ServeProcess) -> dict[int, int]:
 
 
 def _served(proc: ServeProcess) -> dict[str, float]:
-    """Requests each worker answered, from the server's one /metrics page (samples labelled by worker)."""
+    """Requests each worker answered, from the server's one /metrics page (the per-worker series)."""
     port = re.search(r"metrics of all workers on [^:]+:(\d+)", proc.output).group(1)
     page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     served: dict[str, float] = {}
     for line in page.splitlines():
-        if line.startswith("sixfold_inference_request_success"):
+        if line.startswith("sixfold_worker_inference_request_success_total{"):
             worker = re.search(r'worker="(\d+)"', line).group(1)
-            served[worker] = served.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
+            served[worker] = float(line.rsplit(" ", 1)[1])
+    total = re.search(r'^nv_inference_request_success\{model="tiny",version="1"\} (\S+)$', page, re.M)
+    assert total and float(total.group(1)) == sum(served.values()), page  # Triton's counter: the workers' sum
     return served
 
 
