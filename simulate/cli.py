@@ -13,6 +13,7 @@ import argparse
 import itertools
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -161,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
         out = c.add_argument_group("output")
         out.add_argument("--json", help="write the results as JSON here")
         out.add_argument("--plot", help="write a PNG plot here")
-        out.add_argument("--quiet", action="store_true", help="no progress bar")
+        out.add_argument("--quiet", action="store_true",
+                         help="no progress (a bar on a terminal, else a line as each run starts)")
     return p
 
 
@@ -191,14 +193,20 @@ def _platform_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Bar:
-    """A rich progress bar over the steps of a command (``note`` names the current one)."""
+    """Progress over the runs of a command (``note`` names the one starting): a rich bar on a terminal;
+    elsewhere (a pipe, a file, CI) one plain line per run, flushed as it starts, so a long command is
+    never silent; nothing with ``--quiet``. ``total`` is an estimate (searches stop when they know)."""
 
     def __init__(self, console: Console, total: int, quiet: bool) -> None:
-        self.progress = None if quiet else Progress(TextColumn("{task.description}"), BarColumn(),
-                                                      TextColumn("{task.completed}/{task.total} runs"),
-                                                      TimeElapsedColumn(), console=console, transient=True)
+        self.console = console
+        self.plain = not quiet and not console.is_terminal
+        self.progress = None if quiet or self.plain else Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
+            TimeElapsedColumn(), console=console, transient=True)
         self.task = None
         self.total = total
+        self.runs = 0
+        self.started = time.perf_counter()
 
     def __enter__(self) -> "_Bar":
         if self.progress is not None:
@@ -211,6 +219,11 @@ class _Bar:
             self.progress.stop()
 
     def note(self, text: str) -> None:
+        self.runs += 1
+        if self.plain:
+            self.console.print(f"simulating run {self.runs} (of about {max(self.total, self.runs)}): {text}; "
+                               f"{time.perf_counter() - self.started:.0f} s so far", markup=False, highlight=False)
+            self.console.file.flush()
         if self.progress is not None:
             task = self.progress.tasks[0]
             if task.completed >= task.total:
@@ -309,14 +322,20 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     started = time.perf_counter()
+    from sixfold.partitioner.cli import check_output_file, error_text
     try:
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):  # written after minutes of simulating
+            if path:
+                check_output_file(path, flag)
+        if args.plot:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         settings = serving_settings(args)
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         command = {"run": _run, "max-qps": _max_qps, "capacity": _capacity}[args.command]
         payload = command(args, console, settings)
-    except (ValueError, FileNotFoundError) as exc:  # ImpossibleTarget too: its message names the flag
-        print(f"sixfold-simulate: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # ImpossibleTarget too: its message names the flag
+        print(f"sixfold-simulate: {error_text(exc)}", file=sys.stderr)
         return 2
     except (SimulationLimit, SimulationDeadlock) as exc:
         print(f"sixfold-simulate: the simulation stopped: {exc}", file=sys.stderr)
@@ -325,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"simulated in {wall:.1f} s of wall time", style="dim")
     if args.json:
         payload["wall_s"] = wall
-        console.print(f"json: {write_json(args.json, payload)}")
+        try:
+            console.print(f"json: {write_json(args.json, payload)}")
+        except OSError as exc:
+            print(f"sixfold-simulate: --json {args.json}: {error_text(exc)}", file=sys.stderr)
+            return 2
     return 0
 
 

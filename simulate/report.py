@@ -13,7 +13,7 @@ from sixfold.simulate.capacity import CardsAnswer, MaxRate
 from sixfold.simulate.engine import RunResult
 
 __all__ = ["runs_table", "max_rate_table", "cards_table", "plot_curves", "plot_max_rates", "plot_cards",
-           "write_json", "result_dict"]
+           "cards_figure", "write_json", "result_dict"]
 
 
 def _ms(value: float | None) -> str:
@@ -143,32 +143,51 @@ def plot_max_rates(rows: Sequence[tuple[str, MaxRate]], path: str | Path) -> Pat
     return Path(path)
 
 
-def plot_cards(answers: Sequence[tuple[str, CardsAnswer]], qps: float, p99_ms: float, path: str | Path) -> Path:
-    """p99 at the target rate against cards tried, per spec; the answer and its watts marked."""
+def cards_figure(answers: Sequence[tuple[str, CardsAnswer]], qps: float, p99_ms: float) -> Any:
+    """The figure ``plot_cards`` saves (laid out: every label inside it)."""
     plt = _figure()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
+
     fig, ax = plt.subplots(figsize=(8, 5))
     for k, (traffic, a) in enumerate(answers):
         colour = f"C{k % 10}"
         cards = sorted(a.tried)
         p99 = [a.tried[c].latency_ms["p99"] or float("nan") for c in cards]
-        label = f"{a.card_spec} {a.table_precision}/{a.dense_precision} {traffic}"
-        ax.plot(cards, p99, "-", color=colour, label=label)
+        # NOTE: the answer goes in the legend: answers at the same spot, written beside it, print over each other
+        answer = (f"{a.cards} card{'s' if a.cards != 1 else ''}" + (f", {a.watts:,.0f} W" if a.watts else "")
+                  if a.cards else "not met")
+        ax.plot(cards, p99, "-", color=colour,
+                label=f"{a.card_spec} {a.table_precision}/{a.dense_precision} {traffic}: {answer}")
         ok = [c for c in cards if a.passed.get(c)]
         bad = [c for c in cards if not a.passed.get(c)]
         ax.plot(ok, [a.tried[c].latency_ms["p99"] or float("nan") for c in ok], "o", color=colour)
         ax.plot(bad, [a.tried[c].latency_ms["p99"] or float("nan") for c in bad], "x", color=colour, ms=8)
         if a.cards:
-            ax.annotate(f"{a.cards} cards" + (f", {a.watts:,.0f} W" if a.watts else ""),
-                        (a.cards, a.tried[a.cards].latency_ms["p99"] or 0), textcoords="offset points",
-                        xytext=(5, 8), fontsize=8, color=colour)
+            ax.plot([a.cards], [a.tried[a.cards].latency_ms["p99"] or float("nan")], "o", ms=14, mfc="none",
+                    color=colour)
     ax.axhline(p99_ms, color="grey", lw=1, label=f"bound {p99_ms:g} ms")
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], color="black", marker="o", ls=""), Line2D([], [], color="black", marker="x", ls=""),
+                Line2D([], [], color="black", marker="o", ms=10, mfc="none", ls="")]
+    labels += ["met the bound", "missed: over the bound, refused or saturated", "the answer: fewest cards that met it"]
     ax.set_xlabel("cards")
-    ax.set_ylabel(f"p99 at {qps:,.0f} q/s, ms (x: missed: over the bound, refused or saturated)")
+    ax.set_ylabel(f"p99 latency at {qps:,.0f} q/s (ms)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # 20, 50, not 2x10^1, 5x10^1
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a card count is whole
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(handles, labels, fontsize=7)
     ax.set_title(f"Fewest cards for {qps:,.0f} q/s at p99 <= {p99_ms:g} ms")
     fig.tight_layout()
+    return fig
+
+
+def plot_cards(answers: Sequence[tuple[str, CardsAnswer]], qps: float, p99_ms: float, path: str | Path) -> Path:
+    """p99 at the target rate against cards tried, per spec; the answer and its watts marked."""
+    fig = cards_figure(answers, qps, p99_ms)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _figure().close(fig)
     return Path(path)

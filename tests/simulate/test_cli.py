@@ -129,3 +129,62 @@ def test_an_unknown_card_scheduling_is_refused_naming_the_flag(capsys) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["run", "--model", "rm1", "--qps", "1", "--card-scheduling", "random"])
     assert exited.value.code == 2 and "--card-scheduling: invalid choice: 'random'" in capsys.readouterr().err
+
+
+CAPACITY = ["capacity", "--model", "rm1", "--card-spec", "m2-card", "--qps", "400", "--p99-ms", "60",
+            "--max-cards", "4", "--query-size", "fixed:100", "--duration", "0.5", "--warmup", "0.1",
+            "--host-spec", "host-cpu"]
+
+
+def test_progress_off_a_terminal_is_a_line_per_run_and_quiet_is_silent(capsys) -> None:
+    """Piped (as under pytest), a long command still says what it does: a line as each run starts."""
+    assert main(CAPACITY) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("simulating run ")]
+    assert lines and lines[0].startswith("simulating run 1 (of about 5): rm1 on 4 x m2-card (fp32/fp32) at 400 q/s")
+    assert all(line.endswith(" s so far") for line in lines)
+    assert out.index(lines[-1]) < out.index("Fewest cards")
+    assert "\x1b[" not in out  # no bar, no colour codes in a pipe
+    assert main([*CAPACITY, "--quiet"]) == 0
+    assert "simulating run" not in capsys.readouterr().out
+
+
+def test_progress_on_a_terminal_is_a_rich_bar() -> None:
+    import io
+
+    from rich.console import Console
+
+    from sixfold.simulate.cli import _Bar
+
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    with _Bar(terminal, 3, quiet=False) as bar:
+        bar.note("rm1 on 1 x m2-card")
+        assert bar.progress is not None and not bar.plain
+        assert bar.progress.tasks[0].description == "rm1 on 1 x m2-card"
+    assert "simulating run" not in terminal.file.getvalue()
+    assert _Bar(terminal, 3, quiet=True).progress is None
+
+
+def test_the_capacity_plot_keeps_every_label_inside(tmp_path, monkeypatch) -> None:
+    from sixfold.simulate import report
+
+    figures = []
+    real = report.cards_figure
+    monkeypatch.setattr(report, "cards_figure", lambda *a: figures.append(real(*a)) or figures[-1])
+    png = tmp_path / "cap.png"
+    assert main([*CAPACITY, "--card-spec", "gpu-l4", "--quiet", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000
+    [fig] = figures
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # NOTE: the saved figure was closed; draw it again as saved
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    box, ax = fig.bbox, fig.axes[0]
+    drawn = ax.get_tightbbox(renderer)  # the axes with every label, tick label and title as drawn
+    assert box.x0 <= drawn.x0 and drawn.x1 <= box.x1 and box.y0 <= drawn.y0 and drawn.y1 <= box.y1, (drawn, box)
+    assert ax.yaxis.label.get_text() == "p99 latency at 400 q/s (ms)"
+    assert all(float(t).is_integer() for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1])
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(label.startswith("m2-card fp32/fp32 poisson fixed:100: ") and " card" in label for label in legend)
+    assert "missed: over the bound, refused or saturated" in legend
