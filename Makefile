@@ -22,8 +22,18 @@ $(STAMP): pyproject.toml setup.py
 demo: install
 	$(PY) scripts/demo.py --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS)
 
+# make serve's ports (sixfold-serve's defaults; 0 picks a free one, printed at start; -1 turns REST
+# or metrics off) and any other sixfold-serve flags, e.g.
+#   make serve HTTP_PORT=9000 GRPC_PORT=9001 SERVE_ARGS="--workers 2 --log-format json"
+# (SERVE_ARGS, not ARGS: ARGS is perf-analyzer's.)
+HTTP_PORT    ?= 8000
+GRPC_PORT    ?= 8001
+METRICS_PORT ?= 8002
+SERVE_ARGS   ?=
+
 serve: install
-	$(VENV)/bin/sixfold-serve --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS)
+	$(VENV)/bin/sixfold-serve --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q
