@@ -6,6 +6,9 @@ STAMP  := $(VENV)/.installed-stamp
 MODEL  ?= rm2
 MAX_ROWS ?= 50000
 CARDS  ?= 6
+# The host's spec for the plan, the same for demo and serve: auto is this machine, calibrated once
+# (about 10 s, on first use) and cached; host-cpu is the generic one.
+HOST_SPEC ?= auto
 
 .PHONY: install demo serve test bench clean mlserver-venv perf-analyzer
 
@@ -20,7 +23,7 @@ $(STAMP): pyproject.toml setup.py
 	touch $(STAMP)
 
 demo: install
-	$(PY) scripts/demo.py --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS)
+	$(PY) scripts/demo.py --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS) --host-spec $(HOST_SPEC)
 
 # make serve's ports (sixfold-serve's defaults; 0 picks a free one, printed at start; -1 turns REST
 # or metrics off) and any other sixfold-serve flags, e.g.
@@ -32,7 +35,7 @@ METRICS_PORT ?= 8002
 SERVE_ARGS   ?=
 
 serve: install
-	$(VENV)/bin/sixfold-serve --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS) \
+	$(VENV)/bin/sixfold-serve --model $(MODEL) --max-rows $(MAX_ROWS) --cards $(CARDS) --host-spec $(HOST_SPEC) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 test: install
