@@ -1,4 +1,5 @@
-"""sixfold load generator: open-loop KServe v2 traffic for recommendation models.
+"""sixfold load generator: open-loop KServe v2 traffic for recommendation models, over gRPC or
+REST (``LoadConfig(protocol="http")``), plaintext or TLS (``ssl=True``, ``root_certificates=PEM``).
 
 Requests go out on a schedule drawn from an arrival process (Poisson by
 default) whatever the server does, and latency is measured from each request's

@@ -111,7 +111,7 @@ def test_every_mode_over_https(tls_server, tmp_path, capsys):
     _all_answered(spread)
     capsys.readouterr()
     code, search = _run(tmp_path, url, *tls, "--find-max-qps", "--p99-ms", "500", "--min-qps", "20",
-                        "--max-qps", "40", "--step-duration", "0.5", "--max-steps", "2")
+                        "--max-qps", "40", "--step-duration", "1", "--max-steps", "2")
     assert code == 0 and [row["pass"] for row in search["sweep"]] == [True, True]
     assert search["target"]["protocol"] == "http" and search["max_qps_under_slo"] == 40
     # --quiet: no table, but the answer, which is what a search is run for
