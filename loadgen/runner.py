@@ -34,7 +34,8 @@ from sixfold.loadgen.schedule import QueryPool, Schedule, build_schedule
 from sixfold.loadgen.stats import latency_cdf, timeline, window_stats
 from sixfold.loadgen.target import (ModelShape, ShapeOverrides, discover_shape, published_facts, unreachable_hint,
                                     wait_until_ready)
-from sixfold.loadgen.transport import Transport, connection_options, make_client, make_transport
+from sixfold.loadgen.connect import make_client, make_transport
+from sixfold.loadgen.transport import Transport, connection_options
 
 __all__ = ["run_load", "run_load_async", "plan_run", "summarize", "drive", "Target", "resolve_config",
            "schedule_from_recording", "generator_for"]

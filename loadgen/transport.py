@@ -1,6 +1,6 @@
 """How one pre-generated query goes over the wire, and what counts as a failure.
 
-Three clients over KServe v2 gRPC (``protocol="grpc"``, the default; REST is ``sixfold.loadgen.rest``):
+Three clients over KServe v2 gRPC (``protocol="grpc"``, the default; REST is ``sixfold.loadgen.rest``; ``sixfold.loadgen.connect`` picks one):
 
 - ``raw`` (default): each pooled query is encoded once into a serialized
   ``ModelInferRequest`` before the clock starts; a send is one gRPC call on an
@@ -43,11 +43,10 @@ from tritonclient.utils import InferenceServerException
 
 from sixfold.models.signature import INDICES, SCORES
 
-from sixfold.loadgen.config import CLIENTS, IDS_DTYPES, PROTOCOLS
 from sixfold.loadgen.errors import LoadgenError
 
 __all__ = ["Transport", "RequestFailed", "RawGrpcTransport", "TritonClientTransport", "SharedMemoryTransport",
-           "make_transport", "wire_tensors", "DATATYPES", "CHANNEL_OPTIONS", "make_client", "connection_options",
+           "wire_tensors", "DATATYPES", "CHANNEL_OPTIONS", "connection_options",
            "read_root_certificates"]
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
@@ -277,45 +276,3 @@ class TritonClientTransport:
 
     async def close(self) -> None:
         """The client belongs to the caller, who closes it."""
-
-
-def make_client(url: str, *, protocol: str = "grpc", ssl: bool = False,
-                root_certificates: str | None = None) -> Any:
-    """The control-plane client (readiness, metadata, config), with quick reconnects: tritonclient's
-    asyncio gRPC client, or for ``protocol="http"`` an adapter over its REST one with the same methods
-    (``sixfold.loadgen.rest.HttpControlClient``)."""
-    if protocol == "http":
-        from sixfold.loadgen.rest import HttpControlClient
-        return HttpControlClient(url, ssl=ssl, root_certificates=root_certificates)
-    if protocol != "grpc":
-        raise ValueError(f"bad protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
-    if ssl:
-        read_root_certificates(root_certificates)  # NOTE: a missing file named as the flag, not as tritonclient's error
-    return tritonaio.InferenceServerClient(url, ssl=ssl, root_certificates=root_certificates,
-                                           channel_args=CHANNEL_OPTIONS)
-
-
-def make_transport(kind: str, url: str, client: Any, model: str, version: str = "", channels: int = 1,
-                   ids_dtype: str = "int64", *, protocol: str = "grpc", ssl: bool = False,
-                   root_certificates: str | None = None) -> Transport:
-    """The transport named by ``LoadConfig.client`` over ``protocol`` (``channels``, ``ids_dtype``, ``ssl``,
-    ``root_certificates``: see ``LoadConfig``); ``client`` is what ``make_client`` made."""
-    if ids_dtype not in IDS_DTYPES:
-        raise ValueError(f"bad ids_dtype {ids_dtype!r}: expected one of {', '.join(IDS_DTYPES)}")
-    if kind not in CLIENTS:
-        raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")
-    tls = {"ssl": ssl, "root_certificates": root_certificates}
-    if protocol == "http":
-        from sixfold.loadgen.rest import RawHttpTransport, TritonHttpTransport
-        if kind == "raw":
-            return RawHttpTransport(url, model, version, ids_dtype, **tls)
-        if kind == "tritonclient":
-            return TritonHttpTransport(client, model, version, ids_dtype)
-        raise ValueError("the shm client needs protocol grpc (sixfold's REST serves no shared memory)")
-    if protocol != "grpc":
-        raise ValueError(f"bad protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
-    if kind == "raw":
-        return RawGrpcTransport(url, model, version, channels, ids_dtype, **tls)
-    if kind == "tritonclient":
-        return TritonClientTransport(client, model, version, ids_dtype)
-    return SharedMemoryTransport(url, model, version, channels, ids_dtype, **tls)

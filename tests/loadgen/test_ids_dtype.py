@@ -9,7 +9,8 @@ from tritonclient.grpc import service_pb2
 
 from sixfold import models
 from sixfold.loadgen import LoadConfig, LoadgenError
-from sixfold.loadgen.transport import RawGrpcTransport, make_transport, wire_tensors
+from sixfold.loadgen.connect import make_transport
+from sixfold.loadgen.transport import RawGrpcTransport, wire_tensors
 
 
 def _query(items: int = 5) -> dict[str, np.ndarray]:
