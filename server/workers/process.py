@@ -1,20 +1,33 @@
 """A server command run as its own process, usable once it prints ``sixfold-serve``'s READY line.
 
 ``sixfold-serve`` prints ``READY grpc=HOST:PORT`` once it serves (``--grpc-port 0`` picks a free
-port, so the line is how a caller learns it). The demo, the end-to-end tests and the benchmarks
-start servers this way.
+port, so the line is how a caller learns it); with ``--log-format json`` the line is a JSON object
+whose ``message`` is that text (``ready_address`` reads both). The demo, the end-to-end tests and
+the benchmarks start servers this way.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["READY_PREFIX", "ReadyProcess"]
+__all__ = ["READY_PREFIX", "ReadyProcess", "ready_address"]
 
 READY_PREFIX = "READY grpc="
+
+
+def ready_address(line: str) -> str:
+    """``HOST:PORT`` of a READY line, plain or a JSON log object whose ``message`` is one; "" for other lines."""
+    text = line.strip()
+    if text.startswith("{") and READY_PREFIX in text:
+        try:
+            text = str(json.loads(text).get("message", ""))
+        except (ValueError, AttributeError):
+            return ""
+    return text[len(READY_PREFIX):].strip() if text.startswith(READY_PREFIX) else ""
 
 
 class ReadyProcess:
@@ -37,8 +50,8 @@ class ReadyProcess:
         def pump() -> None:
             for line in self.proc.stdout:  # type: ignore[union-attr]
                 self.lines.append(line)
-                if line.startswith(READY_PREFIX):
-                    self.url = line[len(READY_PREFIX):].strip()
+                if address := ready_address(line):
+                    self.url = address
                     ready.set()
                 elif echo is not None:
                     echo(line)
