@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import machine_line, publish  # noqa: E402
+from bench.harness.report import machine_line, publish  # noqa: E402
 
 __all__ = ["MODES", "RunResult", "run_mode"]
 

@@ -45,7 +45,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import command, machine_line, publish  # noqa: E402
+from bench.harness.commands import command  # noqa: E402
+from bench.harness.process import free_port  # noqa: E402
+from bench.harness.report import machine_line, publish  # noqa: E402
+from bench.harness.sweep import search_max_qps  # noqa: E402
 from sixfold.loadgen import LoadConfig  # noqa: E402
 from sixfold.loadgen.record import ERROR, OK  # noqa: E402
 from sixfold.loadgen.runner import Target, drive, plan_run  # noqa: E402
@@ -58,18 +61,11 @@ TOKEN = "bench"
 MODEL = "rm2"
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """sixfold-serve as a process; ``rss`` samples its VmRSS every 50 ms while ``sampling``."""
 
     def __init__(self, repo: Path) -> None:
-        self.grpc, self.http = _free_port(), _free_port()
+        self.grpc, self.http = free_port(), free_port()
         self.proc = subprocess.Popen(
             [*command("sixfold-serve"), "--model-repository", str(repo),
              "--model-control-mode", "explicit", "--control-token", TOKEN, "--load-model", MODEL,
@@ -232,16 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         # warm up: the memory-mapped tables fault in on first touch (untimed)
         _load(server, 2.0, args.warmup, 9, lambda start: None)
         if args.qps is None:  # half of the latency-bounded maximum, measured now on this machine
-            from sixfold.loadgen import SweepConfig, find_max_qps_async
             config = LoadConfig(url=f"127.0.0.1:{server.grpc}", model=MODEL, qps=2.0, duration_s=6.0,
                                 warmup_s=1.0, seed=7)
-            sweep = SweepConfig(p99_ms=args.p99_ms, min_qps=2.0, floor_qps=0.5, step_duration_s=6.0,
-                                tolerance=0.15, max_steps=7)
-            report = asyncio.run(find_max_qps_async(config, sweep))
-            search = report.max_qps_under_slo
+            found = asyncio.run(search_max_qps(config, p99_ms=args.p99_ms, lo=2.0, floor=0.5, step_s=6.0,
+                                               tolerance=0.15, max_steps=7))
+            search = found["max_qps"]
             args.qps = round(max(0.5, (search or 1.0) / 2), 2)
             print(f"latency-bounded maximum (p99 <= {args.p99_ms:g} ms): {search} q/s; running at {args.qps}; "
-                  f"steps: {[(r.get('qps'), r.get('p99_ms'), r.get('errors')) for r in (report.sweep or [])]}",
+                  f"steps: {[(r.get('qps'), r.get('p99_ms'), r.get('errors')) for r in (found['steps'] or [])]}",
                   flush=True)
         results["search"] = search
         # phase 1: no updates

@@ -48,7 +48,7 @@ from sixfold.backends.spec_catalog import load_spec  # noqa: E402
 from sixfold.models import RequestGenerator  # noqa: E402
 from sixfold.partitioner.compile import partition_builtin
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION  # noqa: E402
-from bench._common import publish  # noqa: E402
+from bench.harness.report import publish  # noqa: E402
 from sixfold.server.memory.allocator import keep_freed_memory  # noqa: E402
 from sixfold.server.loading.loader import load_host_stage  # noqa: E402
 

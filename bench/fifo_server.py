@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from sixfold import models  # noqa: E402
-from bench._common import serve_until_signalled  # noqa: E402
+from bench.harness.bench_server import serve_until_signalled  # noqa: E402
 from sixfold.models.signature import SCORES, Signature, signature_for  # noqa: E402
 from sixfold.server.protocol.codec import DTYPES  # noqa: E402
 

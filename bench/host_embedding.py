@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from sixfold.backends.host.host_embedding import HostEmbeddingStage  # noqa: E402
 from sixfold.models.dlrm import TableBatchedEmbedding  # noqa: E402
-from bench._common import publish  # noqa: E402
+from bench.harness.report import publish  # noqa: E402
 
 SECTION = "host-embedding"
 COMMAND = ".venv/bin/python bench/host_embedding.py"

@@ -39,7 +39,8 @@ import tritonclient.grpc.aio as tca  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from sixfold import models  # noqa: E402
-from bench._common import command, machine_line, publish  # noqa: E402
+from bench.harness.commands import command  # noqa: E402
+from bench.harness.report import machine_line, publish, write_json  # noqa: E402
 from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 from tests.conftest import triton_inputs  # noqa: E402
 
@@ -233,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     large = run_large(args.request_mb, args.requests) if args.only in (None, "large") else []
     sigterm = run_sigterm(args.inflight) if args.only in (None, "sigterm") else []
     if args.json:
-        Path(args.json).write_text(json.dumps({"large": [asdict(r) for r in large],
-                                               "sigterm": [asdict(s) for s in sigterm]}, indent=2) + "\n")
+        write_json(args.json, {"large": [asdict(r) for r in large], "sigterm": [asdict(s) for s in sigterm]})
     publish("hostile-clients", render(large, sigterm, sys.argv[1:] if argv is None else argv,
                                       time.monotonic() - t0), write=not args.no_write)
     return 0

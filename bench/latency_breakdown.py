@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from sixfold import models
-    from bench.latency_bounded import _load_config
+    from bench.harness.sweep import mlperf_load
     from sixfold.loadgen import run_load_async
 
     cfg = models.get_config(args.model, max_rows=args.max_rows)
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         if not url:
             raise SystemExit(f"server did not start: {proc.poll()}")
         load_before = os.getloadavg()[0]
-        config = _load_config(url, args.model, cfg, qps=qps, duration_s=args.duration, warmup_s=args.warmup,
-                              seed=args.seed, drain_timeout_s=10.0, client=args.client, ids_dtype=args.ids_dtype)
+        config = mlperf_load(url, args.model, cfg, qps=qps, duration_s=args.duration, warmup_s=args.warmup,
+                             seed=args.seed, drain_timeout_s=10.0, client=args.client, ids_dtype=args.ids_dtype)
         report = asyncio.run(run_load_async(config))
         load_after = os.getloadavg()[0]
         proc.send_signal(signal.SIGUSR1)

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.harness.report import write_json  # noqa: E402
 from sixfold.loadgen import LoadConfig, MonotonicClock, Target, drive, plan_run, summarize  # noqa: E402
 from sixfold.loadgen.record import ERROR, OK  # noqa: E402
 
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     data = result.to_dict()
     print(json.dumps(data, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+        write_json(args.json, data)
     return 0
 
 

@@ -41,7 +41,7 @@ from sixfold.partitioner.frontends.torch_frontend import export_model  # noqa: E
 from sixfold.partitioner.cut.graph_cut import cut_graph  # noqa: E402
 from sixfold.partitioner.plan import DeviceInfo  # noqa: E402
 from sixfold.partitioner.cut.sparse_dense import assign_sparse_dense  # noqa: E402
-from bench._common import publish  # noqa: E402
+from bench.harness.report import publish  # noqa: E402
 
 SECTION = "plan-scale"
 COMMAND = ".venv/bin/python bench/plan_scale.py"

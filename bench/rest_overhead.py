@@ -33,7 +33,8 @@ import tritonclient.http.aio as tha
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sixfold import models  # noqa: E402
-from bench._common import command, machine_line  # noqa: E402
+from bench.harness.commands import command  # noqa: E402
+from bench.harness.report import machine_line  # noqa: E402
 from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 MODEL = "rm2"

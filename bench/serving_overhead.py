@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import publish, serve_until_signalled  # noqa: E402
+from bench.harness.bench_server import serve_until_signalled  # noqa: E402
+from bench.harness.report import publish  # noqa: E402
 from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 SECTION = "serving-overhead"

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 from sixfold import models  # noqa: E402
 from sixfold.backends.builtin.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from sixfold.backends.spec_catalog import load_spec  # noqa: E402
-from bench._common import machine_line  # noqa: E402
+from bench.harness.report import machine_line  # noqa: E402
 from sixfold.partitioner.compile import partition_builtin  # noqa: E402
 from sixfold.server.loading.loader import load_host_stage  # noqa: E402
 

@@ -41,7 +41,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from sixfold import models  # noqa: E402
-from bench._common import command, machine_line, publish  # noqa: E402
+from bench.harness.commands import command  # noqa: E402
+from bench.harness.process import free_port  # noqa: E402
+from bench.harness.report import machine_line, publish  # noqa: E402
 from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 SECTION = "simulate-fidelity"
@@ -107,13 +109,6 @@ def lag_seconds(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("sixfold_simcard_lag_seconds{"))
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure_serving(args: argparse.Namespace, spec_path: str) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import machine_line, publish  # noqa: E402
+from bench.harness.report import machine_line, publish  # noqa: E402
 from sixfold.simulate import ServingSettings, build_platform, parse_traffic, simulate  # noqa: E402
 
 SECTION = "simulate-speed"

@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import command, machine_line, publish  # noqa: E402
+from bench.harness.commands import command  # noqa: E402
+from bench.harness.report import machine_line, publish  # noqa: E402
 
 
 def _run(cmd: list[str], log: Path) -> None:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sixfold.backends.host.host_embedding import HostEmbeddingStage  # noqa: E402
-from bench._common import machine_line, publish  # noqa: E402
+from bench.harness.report import machine_line, publish  # noqa: E402
 from sixfold.models import get_config  # noqa: E402
 from sixfold.models.requests import RequestGenerator  # noqa: E402
 from sixfold.partitioner.tables import build as table_build  # noqa: E402

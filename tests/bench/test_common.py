@@ -1,15 +1,18 @@
-"""bench/_common.py: starting the project's commands with or without an install."""
+"""bench/harness/commands.py (``bench._common`` before): starting the project's commands with or without an install."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench._common import command
+from bench.harness.commands import command
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_an_installed_command_is_its_console_script(tmp_path: Path) -> None:
@@ -21,9 +24,9 @@ def test_an_installed_command_is_its_console_script(tmp_path: Path) -> None:
 
 def test_the_entry_points_are_pyproject_s_scripts() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    from bench._common import _ENTRY_POINTS
+    from bench.harness.commands import _ENTRY_POINTS
 
-    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert {name: f"{module}:main" for name, module in _ENTRY_POINTS.items()} == scripts
 
 
@@ -37,13 +40,25 @@ def test_without_an_install_the_command_runs_from_the_checkout(tmp_path: Path) -
 
 
 def test_a_tree_first_on_pythonpath_wins_over_the_checkout(tmp_path: Path) -> None:
-    """``--baseline-tree``: the other tree's code serves, not this checkout's."""
+    """``--baseline-tree``: the other tree's code serves, not this checkout's. The tree is laid out as this
+    checkout (``sixfold/__init__.py`` maps the root folders in), as ``git archive`` of a commit gives it."""
+    (tmp_path / "tree" / "sixfold").mkdir(parents=True)
+    shutil.copy(ROOT / "sixfold" / "__init__.py", tmp_path / "tree" / "sixfold" / "__init__.py")
     fake = tmp_path / "tree" / "server"
-    fake.mkdir(parents=True)
+    fake.mkdir()
     (fake / "__init__.py").write_text("")
     (fake / "cli.py").write_text("def main():\n    print('the other tree')\n    return 0\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "tree")}
-    done = subprocess.run(command("sixfold-serve", bin_dir=tmp_path), cwd=Path(__file__).resolve().parents[2],
+    done = subprocess.run(command("sixfold-serve", bin_dir=tmp_path), cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "the other tree"
+
+
+def test_bench_common_still_names_the_harness() -> None:
+    """``bench._common`` (named by the docs and older scripts) is the harness's code, not a copy."""
+    import bench._common as common
+    from bench.harness import bench_server, commands, report
+
+    assert common.command is commands.command and common.publish is report.publish
+    assert common.serve_until_signalled is bench_server.serve_until_signalled

@@ -1,4 +1,4 @@
-"""bench/latency_bounded.py's split of server / ideal into own speed and scheduling."""
+"""bench/latency_bounded.py's split of server / ideal into own speed and scheduling (its report module's)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench.latency_bounded import ideal_qps, own_speed_split
+from bench._latency_bounded_report import ideal_qps, own_speed_split
 
 
 def test_own_speed_splits_the_gap_to_the_ideal_server() -> None:
