@@ -239,7 +239,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         "",
         f"Command: `{cmd}` ({wall / 60:.1f} min; {machine}).",
         f"Models: {', '.join(summary)}, every table capped at {args.max_rows:,} rows, seed 0. Traffic: "
-        f"`loadgen.find_max_qps_async` in the bench process: open-loop Poisson, query sizes `mlperf` "
+        f"`sixfold.loadgen.find_max_qps_async` in the bench process: open-loop Poisson, query sizes `mlperf` "
         f"(100..700 items, mean {MEAN_QUERY_ITEMS:.0f}), the same seeds for every server; each step "
         f"{args.warmup:g} s warmup + {args.step:g} s measured, starting at 1/4 of the server's closed-loop rate "
         f"at 2 outstanding queries ({args.warmup_run:g} s, also its warmup), doubling (halving to {FLOOR_QPS:g} q/s "

@@ -310,7 +310,7 @@ def _section(args, results, rows, table_bytes, build_s, start_s, load_start, loa
     size = "full size" if args.max_rows is None else f"capped at {args.max_rows:,} rows"
     search = results.get("search")
     rate = (f"{args.qps:g} q/s, half of the latency-bounded maximum measured first in the same run "
-            f"({search:g} q/s at p99 <= {args.p99_ms:g} ms, loadgen.find_max_qps, 6 s steps)" if search
+            f"({search:g} q/s at p99 <= {args.p99_ms:g} ms, sixfold.loadgen.find_max_qps, 6 s steps)" if search
             else f"{args.qps:g} q/s")
     lines = [
         f"Command: `.venv/bin/python bench/deltas.py{'' if args.max_rows is None else f' --max-rows {args.max_rows}'}"

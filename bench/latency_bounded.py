@@ -33,7 +33,7 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
 Per server: a few concurrent queries whose scores are checked against the offline model
 (``answers``); idle latency (one query at a time, median and min of 5) at 270 items (the mean MLPerf
 query) and 700 (the largest, 5% of the mix, so the p99 query); 2 s of closed-loop warmup; then,
-per latency bound (``--p99-ms``, default 60 and 250), ``loadgen.find_max_qps_async`` (the
+per latency bound (``--p99-ms``, default 60 and 250), ``sixfold.loadgen.find_max_qps_async`` (the
 ``--find-max-qps`` search of ``sixfold-loadgen``, run in this process): open-loop Poisson
 arrivals, query sizes ``mlperf`` (100..700 items, MLPerf DLRM's 20-quantile table), the model's
 own table rows, pooling and id skew, the same seeds for every server. Each step is a

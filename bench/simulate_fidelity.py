@@ -1,7 +1,7 @@
 """Does sixfold-simulate predict real serving? Simulated vs measured p50/p99 at rates with no simulation lag.
 
 Real serving: ``sixfold-serve --model M --cards C --card-spec <slow card>`` (simcard) in its own
-process, driven open loop by ``loadgen.run_load`` (Poisson, MLPerf query sizes) at each rate. The
+process, driven open loop by ``sixfold.loadgen.run_load`` (Poisson, MLPerf query sizes) at each rate. The
 card spec is slow on purpose (``SLOW_CARD``: ~20 us an item for rm1's dense part, ~10x what ONNX
 Runtime takes here), so the simulated cards never wait for the host to compute their outputs:
 the server's ``sixfold_simcard_lag_seconds`` is checked and reported per rate.
@@ -196,7 +196,7 @@ def render(args: argparse.Namespace, measured: list[dict], model_sim: list[dict]
         f"slow-card.json --host-spec host.json` with OMP_NUM_THREADS=1 --host-dense-max-rows "
         f"{args.host_dense_max_rows} (simcard; the slow card takes ~90 us an item, ~50x ONNX Runtime's real time "
         f"here, so the cards rarely lag: see the lag column), default scheduling otherwise; host.json: "
-        f"{args.host_label}. Traffic: `loadgen.run_load`, Poisson, "
+        f"{args.host_label}. Traffic: `sixfold.loadgen.run_load`, Poisson, "
         f"`{args.query_size}` sizes, {args.warmup:g} s warm-up + {args.duration:g} s measured per rate, seed {args.seed}. "
         f"Simulation: the same platform, traffic model and defaults, {args.sim_duration:g} virtual s per rate after 2 s "
         f"warm-up, priced (a) by the cost model on host.json (front end 60 us a request), (b) "

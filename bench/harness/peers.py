@@ -39,7 +39,7 @@ def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tre
     first on PYTHONPATH, with this venv's packages: a before/after comparison in one run. ``workers``:
     ``sixfold-serve --workers`` (a tree from before the option serves with one). ``extra``: more
     ``sixfold-serve`` arguments (``--serve-arg``), for every sixfold server."""
-    argv = [*command("sixfold-serve"), "--model", model, "--max-rows", str(max_rows),
+    argv = [*command("sixfold-serve", tree=tree), "--model", model, "--max-rows", str(max_rows),
             "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
             "--http-port", "-1", "--drain-seconds", "0"]
     if workers > 1 and tree is None:

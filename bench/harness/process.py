@@ -43,10 +43,7 @@ async def wait_model(url: str, model: str, timeout_s: float) -> None:
     """Until ``model`` is ready at ``url`` (KServe v2 gRPC): serving the model, not only listening."""
     from sixfold.loadgen import wait_until_ready
 
-    try:  # NOTE: loadgen.connect holds it now; loadgen.transport did before
-        from sixfold.loadgen.connect import make_client
-    except ImportError:
-        from sixfold.loadgen.transport import make_client  # type: ignore[attr-defined,no-redef]
+    from sixfold.loadgen.connect import make_client
 
     client = make_client(url)
     try:

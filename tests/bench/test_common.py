@@ -62,3 +62,24 @@ def test_bench_common_still_names_the_harness() -> None:
 
     assert common.command is commands.command and common.publish is report.publish
     assert common.serve_until_signalled is bench_server.serve_until_signalled
+
+
+@pytest.mark.parametrize("layout", ["sixfold", "bare"])
+def test_a_baseline_tree_serves_its_own_code_whatever_is_installed(tmp_path: Path, layout: str) -> None:
+    """``--baseline-tree`` of a commit from before the one import name has no ``sixfold/`` and names its
+    entry point ``server.cli``; the installed ``sixfold-serve`` would run this checkout instead."""
+    tree = tmp_path / "tree"
+    if layout == "sixfold":
+        (tree / "sixfold").mkdir(parents=True)
+        shutil.copy(ROOT / "sixfold" / "__init__.py", tree / "sixfold" / "__init__.py")
+    (tree / "server").mkdir(parents=True)
+    (tree / "server" / "__init__.py").write_text("")
+    (tree / "server" / "cli.py").write_text(f"def main():\n    print('the {layout} tree')\n    return 0\n")
+    installed = tmp_path / "bin" / "sixfold-serve"
+    installed.parent.mkdir()
+    installed.write_text("#!/bin/sh\necho this checkout\n")
+    argv = command("sixfold-serve", bin_dir=installed.parent, tree=tree)
+    assert argv[0] == sys.executable
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"the {layout} tree"
