@@ -7,9 +7,12 @@ Both front ends run on one event loop over one InferenceCore; REST is optional
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -29,7 +32,7 @@ from sixfold.server.transport.grpc_servicer import InferenceServicer
 from sixfold.server.workers.siblings import Siblings, WorkerSet
 from sixfold.server.model.warmup import warm_up
 
-__all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer"]
+__all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer", "PortError", "check_ports", "port_problem"]
 
 log = logging.getLogger(__name__)
 _SERVICE = "inference.GRPCInferenceService"
@@ -92,6 +95,72 @@ class ServerConfig:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
 
 
+class PortError(OSError):
+    """A port or address that cannot be served on; the message names it, why, and what to do."""
+
+
+def _addresses(host: str, port: int) -> list[tuple]:
+    try:
+        return socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PortError(f"cannot resolve {host!r} ({exc.strerror or exc}); give an IP address of this machine "
+                        "(127.0.0.1, or 0.0.0.0 for all) or a name that resolves to one") from None
+
+
+def port_problem(host: str, port: int) -> str:
+    """Why a server of its own could not bind ``host:port``, and what to do ("" if it could; port 0 checks
+    the address).
+
+    A plain bind (SO_REUSEADDR, as servers set it, so a port in TIME_WAIT is free): it fails on a port
+    another server listens on even where the servers themselves would share it (gRPC's SO_REUSEPORT).
+    PortError when ``host`` does not resolve.
+    """
+    problems = []
+    for family, kind, proto, _, address in _addresses(host, port):
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+            return ""  # as gRPC does, one address of a name that resolves to several is enough
+        except OSError as exc:
+            problems.append(exc)
+    for exc in problems:  # "in use" first: it is the one with a fix on this side
+        if exc.errno == errno.EADDRINUSE:
+            return f"it is in use ({exc.strerror}); stop what listens there, or pick another port (0: a free one)"
+    exc = problems[0]
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"{host} is not an address of this machine ({exc.strerror}); give one it has "
+                "(127.0.0.1, or 0.0.0.0 for all)")
+    if exc.errno == errno.EACCES:
+        return f"binding it needs privileges ({exc.strerror}); pick a port above 1023"
+    return exc.strerror or str(exc)
+
+
+def check_ports(host: str, ports: Mapping[str, int | None], *, host_label: str = "host") -> None:
+    """Before anything slow starts: ``host`` is an address of this machine, every port of ``ports`` (what it
+    is for -> port; None: off, 0: a free one) can be bound on it, and no two share a number. PortError naming
+    it (``host_label`` for the address), why, and the fix; else None."""
+    for label, port in ports.items():
+        if port is not None and not 0 <= port <= 65535:
+            raise PortError(f"{label}: {port} is not a port (give 0..65535; 0: a free one)")
+    given = [(label, port) for label, port in ports.items() if port]
+    for i, (label, port) in enumerate(given):
+        for other, number in given[i + 1:]:
+            if number == port:
+                raise PortError(f"{label} and {other} are both {port}: give each its own port")
+    try:
+        problem = port_problem(host, 0)
+    except PortError as exc:
+        raise PortError(f"{host_label}: {exc}") from None
+    if problem:
+        raise PortError(f"{host_label}: {problem}")
+    for label, port in ports.items():
+        if port:
+            problem = port_problem(host, port)
+            if problem:
+                raise PortError(f"could not bind {host}:{port} for {label}: {problem}")
+
+
 class SixfoldServer:
     def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.core, self.config, self.metrics = core, config, metrics
@@ -141,7 +210,11 @@ class SixfoldServer:
         except RuntimeError:  # grpcio raises on a busy port (older versions returned 0)
             self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.grpc_port} (is another server on it?)")
+            problem = port_problem(self.config.host, self.config.grpc_port)
+            if not problem and self.config.tls_cert:
+                problem = f"gRPC refused the TLS certificate or key ({self.config.tls_cert}, {self.config.tls_key})"
+            raise PortError(f"could not bind {self.config.host}:{self.config.grpc_port} for gRPC: "
+                            f"{problem or 'is another server on it?'}")
         if workers is not None:  # the siblings tell this worker what they changed, over its own socket
             try:
                 server.add_insecure_port(workers.address())
@@ -165,9 +238,16 @@ class SixfoldServer:
         if self.config.metrics_port is not None:
             # NOTE: a worker's page is for its supervisor, which serves all the workers' (sixfold.server.workers.worker_metrics)
             host = "127.0.0.1" if workers is not None else self.config.host
-            self.metrics_port = self.metrics.serve(host, self.config.metrics_port,
-                                                   tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
-                                                   token=self.config.metrics_token)
+            try:
+                self.metrics_port = self.metrics.serve(host, self.config.metrics_port,
+                                                       tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
+                                                       token=self.config.metrics_token)
+            except OSError as exc:  # e.g. taken since it was checked: close what is open, say which port
+                if self._rest is not None:
+                    await self._rest.stop()
+                await server.stop(None)
+                raise PortError(f"could not bind {host}:{self.config.metrics_port} for metrics: "
+                                f"{port_problem(host, self.config.metrics_port) or exc.strerror or exc}") from None
         freeze_loaded_objects()  # full collections would otherwise walk every loaded module (sixfold.server.memory.gc_pause)
         return self.port
 

@@ -4,163 +4,294 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
+import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from sixfold import models
 from sixfold.backends.api import BackendError
+from sixfold.partitioner.cli import (DefaultsHelpFormatter, OneLineParser, UsageError, check_input_dir,
+                                     check_input_file, check_spec, error_text)
 
 from sixfold.server.memory.allocator import keep_freed_memory
-from sixfold.server.app import ServerConfig, SixfoldServer
+from sixfold.server.app import ServerConfig, SixfoldServer, check_ports
 from sixfold.server.scheduling.batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US,
                       BatchingConfig)
 from sixfold.server.core import InferenceCore
 from sixfold.server.errors import ServingError
-from sixfold.server.observability.logs import configure_logging
+from sixfold.server.observability.logs import LEVELS, configure_logging, emit, parse_level, write_line
 from sixfold.server.observability.metrics import ServerMetrics
-from sixfold.server.workers.process import READY_PREFIX
+from sixfold.server.workers.process import READY_PREFIX, ready_address
 from sixfold.server.execution.runtime import CARD_SCHEDULING, DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS
 from sixfold.server.workers.siblings import WorkerSet
 from sixfold.server.workers.supervisor import follow_supervisor, worker_ports_line
 
 __all__ = ["main"]
 
+_LOGGER = "sixfold-serve"
+_WORKER_LINE = re.compile(r"^\[worker (\d+)\] (.*)$", re.S)
+
+
+class _Parser(OneLineParser):
+    """One-line usage errors; a JSON object when the command line asks for --log-format json."""
+
+    json_errors = False
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message and self.json_errors:
+            emit(message.strip(), level="error" if status else "info", logger=_LOGGER, stream="stderr",
+                 event="usage_error" if status else "usage")
+            sys.exit(status)
+        super().exit(status, message)
+
+
+def _wants_json(argv: list[str]) -> bool:
+    return any(a == "--log-format=json" or (a == "--log-format" and argv[i + 1:i + 2] == ["json"])
+               for i, a in enumerate(argv))
+
+
+class _Output:
+    """What sixfold-serve tells its operator: text on stdout (errors on stderr), or with --log-format json
+    one JSON object a line (``sixfold.server.observability.logs.emit``), ``event`` naming what it says."""
+
+    def __init__(self, fmt: str) -> None:
+        self.json = fmt == "json"
+        self.console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
+
+    def say(self, text: str, event: str, **fields: Any) -> None:
+        if self.json:
+            emit(text, logger=_LOGGER, event=event, **fields)
+        else:
+            self.console.print(text, markup=False, soft_wrap=True)
+
+    def error(self, text: str) -> None:
+        if self.json:
+            emit(f"sixfold-serve: {text}", level="error", logger=_LOGGER, stream="stderr", event="error")
+        else:
+            print(f"sixfold-serve: {text}", file=sys.stderr, flush=True)
+
+    def status(self, text: str, event: str, **fields: Any):
+        """A spinner while something slow runs (text on a terminal), or one JSON line saying it started."""
+        if self.json:
+            self.say(text, event, **fields)
+            return contextlib.nullcontext()
+        return self.console.status(text)
+
+    def protocol_line(self, text: str) -> None:
+        """A line another process reads as it is (a worker's ports, for its supervisor): never JSON."""
+        if self.json:
+            write_line(text, past_capture=True)
+        else:
+            self.console.print(text, markup=False, soft_wrap=True)
+
+    def plan(self, served: Any) -> None:
+        """The plan a model runs, priced as it is served: with its table memory, the host stage as tiered."""
+        from sixfold.partitioner.report.explain import print_plan
+
+        plan, resident = _served_plan(served)
+        est = plan.estimates
+        summary = (f"plan of {served.name} version {served.version}: {plan.strategy} on {len(plan.devices) - 1} cards + host; bottleneck "
+                   f"{est.bottleneck}; throughput bound {est.throughput_items_per_s:,.0f} items/s; unloaded latency "
+                   f"{est.latency_ms:.2f} ms (batches of {est.batch_rows} items)")
+        tiered = _tiered_note(plan, resident)
+        if self.json:
+            emit(summary + (f"; {tiered}" if tiered else ""), logger=_LOGGER, event="plan", model=served.name,
+                 version=served.version, plan=_plan_fields(plan, resident))
+            return
+        print_plan(plan, self.console)
+        if tiered:
+            self.console.print(f"  {tiered}", markup=False, soft_wrap=True)
+
+    def supervisor_line(self, text: str) -> None:
+        """A line of the --workers supervisor: its own, or a worker's (``[worker N] ...``) with ``worker`` set."""
+        if not self.json:
+            print(text, flush=True)
+            return
+        match = _WORKER_LINE.match(text)
+        if match:
+            index, inner = int(match[1]), match[2].strip()
+            try:
+                entry = json.loads(inner) if inner.startswith("{") else None
+            except ValueError:
+                entry = None
+            if isinstance(entry, dict):
+                entry["worker"] = index
+                write_line(json.dumps(entry))
+            else:
+                emit(inner, logger=_LOGGER, event="worker_output", worker=index)
+        elif address := ready_address(text):
+            emit(text, logger=_LOGGER, event="ready", grpc=address)
+        else:
+            emit(text, logger=_LOGGER, event="workers")
+
+
+def _log_level(text: str) -> str:
+    try:
+        return parse_level(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join(LEVELS)}") from None
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sixfold-serve", description=__doc__)
-    p.add_argument("--model", help=f"built-in model to serve: {', '.join(models.names())}")
-    p.add_argument("--model-repository", metavar="REPO",
-                   help="serve the models in REPO (REPO/NAME/VERSION/plan.json, written by sixfold-partition --out)")
-    p.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
-                   help="none: load every repository model at start; explicit: clients load and unload models "
-                        "(RepositoryModelLoad/Unload), and only --load-model ones load at start")
-    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
-                   help="with --model-control-mode explicit: load NAME at start ('*' for all; repeatable)")
-    p.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
-                   help="bearer token model-control RPCs must carry (default: $SIXFOLD_CONTROL_TOKEN; unset: none)")
-    p.add_argument("--insecure-model-control", action="store_true",
-                   help="allow --model-control-mode explicit without --control-token (any client may then load "
-                        "and unload models); without it such a server refuses to start")
-    p.add_argument("--max-rows", type=int, default=None, help="cap every embedding table at R rows")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
-    p.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
-    p.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
-    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="option for the card backend, value read as JSON when it parses (repeatable)")
-    p.add_argument("--backend-options-file", metavar="JSON",
-                   help="backend options as a JSON object, e.g. backends/specs/faults/flaky.json for simcard")
-    p.add_argument("--card-spec", default=None,
-                   help="device spec name or JSON file for the cards (default: the first device the backend "
-                        "reports, else m2-card; see --list-specs)")
-    p.add_argument("--host-spec", default="host-cpu",
-                   help="device spec name or JSON file for the host (e.g. one written by "
-                        "'sixfold-partition calibrate'); prices the host stage in the printed plan")
-    p.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
-                   help="embedding tables row-wise precision on the host (default fp32)")
-    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16", "int8"],
-                   help="precision of the dense partition on the cards (built-in models; default fp32; "
-                        "int8: dynamic quantization, ONNX Runtime cards)")
-    p.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"],
-                   help="place embedding tables on the cards as table-, row- or column-wise shards "
-                        "(built-in models; default: all tables on the host)")
-    p.add_argument("--table-memory", type=_table_memory, default=None, metavar="BYTES",
-                   help="keep embedding tables on disk behind a DRAM row cache of this size (512MiB, 4GiB, or a "
-                        "share of the table bytes such as 10%%; default: every row resident). A model's "
-                        "config.pbtxt may set its own (sixfold.table_memory)")
-    p.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
-                   help="row cache admission: tinylfu (a row enters on its fourth miss; default) or clock (every miss)")
-    p.add_argument("--warm-from", metavar="RECORDING",
-                   help="before serving, fill the row cache of models with a table memory from the queries of "
-                        "this sixfold-loadgen --record file (docs/tiered-tables.md); a model's config.pbtxt may set "
-                        "its own (sixfold.warm_from)")
-    p.add_argument("--watch-deltas", metavar="DIR",
-                   help="apply table-delta folders that appear in DIR, in sequence order, to the repository "
-                        "models they name (docs/deltas.md); a bad one is logged and skipped")
-    p.add_argument("--workers", type=int, default=1,
-                   help="server processes sharing the ports and the cards, each with its own event loop "
-                        "(default 1; see docs/workers.md)")
-    p.add_argument("--as-worker", default=None, help=argparse.SUPPRESS)  # FOLDER:INDEX:COUNT, set by --workers
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="KServe v2 REST port (default 8000, as Triton; 0: pick a free one; -1: off)")
-    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (-1: off)")
-    p.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and REST over TLS (with --tls-key)")
-    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    p.add_argument("--metrics-token", default=os.environ.get("SIXFOLD_METRICS_TOKEN"),
-                   help="bearer token a /metrics scrape must carry (default: $SIXFOLD_METRICS_TOKEN; unset: none); "
-                        "with --tls-cert, /metrics is served over HTTPS either way")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="serve each model without first running synthetic batches of 1..max-batch-rows rows through it "
-                        "(by default they run before READY, so the first requests do not pay one-time costs)")
-    p.add_argument("--no-shared-memory", action="store_true",
-                   help="refuse Triton's system shared memory extension (on by default: co-located clients may "
-                        "register /dev/shm segments and send tensors by region instead of over the socket)")
-    p.add_argument("--drain-seconds", type=float, default=5.0,
-                   help="on SIGTERM, report not ready and keep serving this long before refusing new requests, "
-                        "so load balancers notice first (default 5; 0: refuse at once; a second SIGTERM ends it)")
-    p.add_argument("--allow-nonfinite", action="store_true",
-                   help="score dense features that are NaN or infinite (default: refused with INVALID_ARGUMENT "
-                        "naming the input and the first bad position)")
-    p.add_argument("--max-message-mb", type=int, default=64, help="largest request/response in MiB (default 64)")
-    p.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
-    p.add_argument("--max-card-batch-rows", type=int, default=256,
-                   help="a card takes at most this many items per batch; a larger batch is split across cards, "
-                        "which run its parts at once (default 256; 0: never split)")
-    p.add_argument("--card-timeout-multiple", type=float, default=10.0,
-                   help="a card is hung when a batch takes this many times its expected time (cost model; "
-                        "default 10; 0: the floor alone); see docs/reliability.md")
-    p.add_argument("--card-timeout-floor-ms", type=int, default=500,
-                   help="shortest hang deadline of a card batch, milliseconds (default 500)")
-    p.add_argument("--min-split-rows", type=int, default=DEFAULT_MIN_SPLIT_ROWS,
-                   help="a batch of at least twice this many items is also split over cards (which: "
-                        f"--card-scheduling), in equal parts of at least this many (default {DEFAULT_MIN_SPLIT_ROWS}; "
-                        "0: only split batches over --max-card-batch-rows)")
-    p.add_argument("--card-scheduling", choices=CARD_SCHEDULING, default=DEFAULT_CARD_SCHEDULING,
-                   help="fifo: batches get the cards in arrival order, each split over as many as it can use "
-                        "(waiting for them); greedy: split over the cards idle when it arrives, else whole on "
-                        f"the least-loaded card (default {DEFAULT_CARD_SCHEDULING}); see docs/scheduling.md")
-    p.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
-    p.add_argument("--no-all-in-dispatch", action="store_true",
-                   help="let every batch wait out the batching window (Triton's semantics); by default a batch "
-                        "leaves once every request the clients keep outstanding is queued or running")
-    p.add_argument("--max-queue-size", type=int, default=256,
-                   help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
-    p.add_argument("--max-queue-work-ms", type=float, default=DEFAULT_QUEUE_WORK_MS,
-                   help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it (its own not "
-                        f"counted) would take longer than this to serve (default {DEFAULT_QUEUE_WORK_MS:g}: a 60 ms p99 SLA's queue budget; 0: off)")
-    p.add_argument("--max-queue-bytes-mb", type=int, default=DEFAULT_QUEUE_BYTES >> 20,
-                   help=f"MiB of inputs queued requests may hold (default {DEFAULT_QUEUE_BYTES >> 20}; 0: unbounded)")
-    p.add_argument("--default-timeout-us", type=int, default=DEFAULT_TIMEOUT_US,
-                   help="drop a request still queued after this long with DEADLINE_EXCEEDED "
-                        f"(default {DEFAULT_TIMEOUT_US}; 0: only client deadlines)")
-    p.add_argument("--preferred-batch-rows", type=int, action="append", default=[], metavar="ROWS",
-                   help="dispatch a batch as soon as it reaches ROWS items (repeatable; Triton's preferred_batch_size)")
-    p.add_argument("--host-chunk-rows", type=int, default=0, metavar="ROWS",
-                   help="run the host stage of a batch of at least 2 x ROWS items in chunks of about ROWS, each "
-                        "chunk's card stage overlapping the next chunk's host stage (default 0: whole batches)")
-    p.add_argument("--no-wait-rows", type=int, default=DEFAULT_NO_WAIT_ROWS, metavar="ROWS",
-                   help="a batch of at least ROWS items leaves at once, without waiting out the batching window "
-                        f"(default {DEFAULT_NO_WAIT_ROWS}: a batch that fills a card; 0: every batch waits)")
-    p.add_argument("--max-inflight-batches", type=int, default=0,
-                   help="batches running at once per model (0: cards + 1)")
-    p.add_argument("--priority-levels", type=int, default=0,
-                   help="request priority levels (1 = highest; 0: priorities off)")
-    p.add_argument("--default-priority-level", type=int, default=0,
-                   help="level of a request that gives no priority (default: the lowest, --priority-levels)")
-    p.add_argument("--host-dense-max-rows", type=int, default=-1,
-                   help="batches of at most this many items run their dense part on the host CPU "
-                        "(-1: tuned automatically from measured latencies; 0: never)")
-    p.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
-    p.add_argument("--list-specs", action="store_true",
-                   help="show every named device spec (sixfold's, vendor packages', backends' devices()) and exit")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=["text", "json"], default="text",
-                   help="json: one JSON object per line (for log collectors)")
+    p = _Parser(prog="sixfold-serve", description=__doc__, formatter_class=DefaultsHelpFormatter,
+                usage="sixfold-serve (--model NAME | --model-repository REPO) [options]")
+    model = p.add_argument_group("model (what to serve)")
+    model.add_argument("--model", help=f"built-in model to serve: {', '.join(models.names())}")
+    model.add_argument("--model-repository", metavar="REPO",
+                       help="serve the models in REPO (REPO/NAME/VERSION/plan.json, written by sixfold-partition "
+                            "--out)")
+    model.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
+                       help="none: load every repository model at start; explicit: clients load and unload models "
+                            "(RepositoryModelLoad/Unload), and only --load-model ones load at start")
+    model.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                       help="with --model-control-mode explicit: load NAME at start ('*' for all; repeatable)")
+    model.add_argument("--max-rows", type=int, default=None, metavar="R", help="cap every embedding table at R rows")
+    model.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    model.add_argument("--no-warmup", action="store_true",
+                       help="serve each model without first running synthetic batches of 1..max-batch-rows rows "
+                            "through it (by default they run before READY, so the first requests do not pay "
+                            "one-time costs)")
+    model.add_argument("--allow-nonfinite", action="store_true",
+                       help="score dense features that are NaN or infinite (default: refused with INVALID_ARGUMENT "
+                            "naming the input and the first bad position)")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; 0.0.0.0: all)")
+    net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0: pick a free one)")
+    net.add_argument("--http-port", type=int, default=8000,
+                     help="KServe v2 REST port (default 8000, as Triton; 0: pick a free one; -1: off)")
+    net.add_argument("--metrics-port", type=int, default=8002,
+                     help="Prometheus /metrics port (default 8002; 0: pick a free one; -1: off)")
+    net.add_argument("--max-message-mb", type=int, default=64, help="largest request/response in MiB (default 64)")
+    net.add_argument("--no-shared-memory", action="store_true",
+                     help="refuse Triton's system shared memory extension (on by default: co-located clients may "
+                          "register /dev/shm segments and send tensors by region instead of over the socket)")
+    net.add_argument("--drain-seconds", type=float, default=5.0,
+                     help="on SIGTERM, report not ready and keep serving this long before refusing new requests, "
+                          "so load balancers notice first (default 5; 0: refuse at once; a second SIGTERM ends it)")
+    net.add_argument("--workers", type=int, default=1,
+                     help="server processes sharing the ports and the cards, each with its own event loop "
+                          "(default 1; see docs/workers.md)")
+    net.add_argument("--as-worker", default=None, help=argparse.SUPPRESS)  # FOLDER:INDEX:COUNT, set by --workers
+    sec = p.add_argument_group("security (TLS and tokens)")
+    sec.add_argument("--tls-cert", metavar="PEM",
+                     help="PEM certificate chain: serve gRPC, REST and /metrics over TLS (with --tls-key)")
+    sec.add_argument("--tls-key", metavar="PEM", help="PEM private key for --tls-cert")
+    sec.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
+                     help="bearer token model-control RPCs must carry (default: $SIXFOLD_CONTROL_TOKEN; unset: none)")
+    sec.add_argument("--insecure-model-control", action="store_true",
+                     help="allow --model-control-mode explicit without --control-token (any client may then load "
+                          "and unload models); without it such a server refuses to start")
+    sec.add_argument("--metrics-token", default=os.environ.get("SIXFOLD_METRICS_TOKEN"),
+                     help="bearer token a /metrics scrape must carry (default: $SIXFOLD_METRICS_TOKEN; unset: "
+                          "none); with --tls-cert, /metrics is served over HTTPS either way")
+    cards = p.add_argument_group("cards and placement")
+    cards.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
+    cards.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
+    cards.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="option for the card backend, value read as JSON when it parses (repeatable)")
+    cards.add_argument("--backend-options-file", metavar="JSON",
+                       help="backend options as a JSON object, e.g. backends/specs/faults/flaky.json for simcard")
+    cards.add_argument("--card-spec", default=None,
+                       help="device spec name or JSON file for the cards (default: the first device the backend "
+                            "reports, else m2-card; see --list-specs)")
+    cards.add_argument("--host-spec", default="host-cpu",
+                       help="device spec name or JSON file for the host (e.g. one written by 'sixfold-partition "
+                            "calibrate'; auto: this host, calibrated once and cached, as make serve and make demo "
+                            "use); prices the host stage in the printed plan (default host-cpu)")
+    cards.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16", "int8"],
+                       help="precision of the dense partition on the cards (built-in models; default fp32; "
+                            "int8: dynamic quantization, ONNX Runtime cards)")
+    cards.add_argument("--sparse-on-cards", choices=["table", "row", "column", "auto"],
+                       help="place embedding tables on the cards as table-, row- or column-wise shards "
+                            "(built-in models; default: all tables on the host)")
+    cards.add_argument("--max-card-batch-rows", type=int, default=256,
+                       help="a card takes at most this many items per batch; a larger batch is split across cards, "
+                            "which run its parts at once (default 256; 0: never split)")
+    cards.add_argument("--min-split-rows", type=int, default=DEFAULT_MIN_SPLIT_ROWS,
+                       help="a batch of at least twice this many items is also split over cards (which: "
+                            f"--card-scheduling), in equal parts of at least this many (default "
+                            f"{DEFAULT_MIN_SPLIT_ROWS}; 0: only split batches over --max-card-batch-rows)")
+    cards.add_argument("--card-scheduling", choices=CARD_SCHEDULING, default=DEFAULT_CARD_SCHEDULING,
+                       help="fifo: batches get the cards in arrival order, each split over as many as it can use "
+                            "(waiting for them); greedy: split over the cards idle when it arrives, else whole on "
+                            f"the least-loaded card (default {DEFAULT_CARD_SCHEDULING}); see docs/scheduling.md")
+    cards.add_argument("--card-timeout-multiple", type=float, default=10.0,
+                       help="a card is hung when a batch takes this many times its expected time (cost model; "
+                            "default 10; 0: the floor alone); see docs/reliability.md")
+    cards.add_argument("--card-timeout-floor-ms", type=int, default=500,
+                       help="shortest hang deadline of a card batch, milliseconds (default 500)")
+    cards.add_argument("--host-dense-max-rows", type=int, default=-1,
+                       help="batches of at most this many items run their dense part on the host CPU "
+                            "(-1: tuned automatically from measured latencies; 0: never)")
+    cards.add_argument("--host-chunk-rows", type=int, default=0, metavar="ROWS",
+                       help="run the host stage of a batch of at least 2 x ROWS items in chunks of about ROWS, each "
+                            "chunk's card stage overlapping the next chunk's host stage (default 0: whole batches)")
+    tables = p.add_argument_group("embedding tables")
+    tables.add_argument("--table-precision", default="fp32", choices=["fp32", "fp16", "int8", "int4"],
+                        help="embedding tables row-wise precision on the host (default fp32)")
+    tables.add_argument("--table-memory", type=_table_memory, default=None, metavar="BYTES",
+                        help="keep embedding tables on disk behind a DRAM row cache of this size (512MiB, 4GiB, or a "
+                             "share of the table bytes such as 10%%; default: every row resident); the plan "
+                             "printed at start prices it. A model's config.pbtxt may set its own "
+                             "(sixfold.table_memory)")
+    tables.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
+                        help="row cache admission: tinylfu (a row enters on its fourth miss; default) or clock "
+                             "(every miss)")
+    tables.add_argument("--warm-from", metavar="RECORDING",
+                        help="before serving, fill the row cache of models with a table memory from the queries of "
+                             "this sixfold-loadgen --record file (docs/tiered-tables.md); a model's config.pbtxt may "
+                             "set its own (sixfold.warm_from)")
+    tables.add_argument("--watch-deltas", metavar="DIR",
+                        help="apply table-delta folders that appear in DIR, in sequence order, to the repository "
+                             "models they name (docs/deltas.md); a bad one is logged and skipped")
+    batching = p.add_argument_group("batching and admission")
+    batching.add_argument("--max-batch-rows", type=int, default=1024, help="items per batch at most")
+    batching.add_argument("--max-queue-delay-us", type=int, default=2000, help="batching window (microseconds)")
+    batching.add_argument("--no-all-in-dispatch", action="store_true",
+                          help="let every batch wait out the batching window (Triton's semantics); by default a "
+                               "batch leaves once every request the clients keep outstanding is queued or running")
+    batching.add_argument("--preferred-batch-rows", type=int, action="append", default=[], metavar="ROWS",
+                          help="dispatch a batch as soon as it reaches ROWS items (repeatable; Triton's "
+                               "preferred_batch_size)")
+    batching.add_argument("--no-wait-rows", type=int, default=DEFAULT_NO_WAIT_ROWS, metavar="ROWS",
+                          help="a batch of at least ROWS items leaves at once, without waiting out the batching "
+                               f"window (default {DEFAULT_NO_WAIT_ROWS}: a batch that fills a card; 0: every batch "
+                               "waits)")
+    batching.add_argument("--max-inflight-batches", type=int, default=0,
+                          help="batches running at once per model (0: cards + 1)")
+    batching.add_argument("--max-queue-size", type=int, default=256,
+                          help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
+    batching.add_argument("--max-queue-work-ms", type=float, default=DEFAULT_QUEUE_WORK_MS,
+                          help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it (its own not "
+                               f"counted) would take longer than this to serve (default {DEFAULT_QUEUE_WORK_MS:g}: a "
+                               "60 ms p99 SLA's queue budget; 0: off)")
+    batching.add_argument("--max-queue-bytes-mb", type=int, default=DEFAULT_QUEUE_BYTES >> 20,
+                          help=f"MiB of inputs queued requests may hold (default {DEFAULT_QUEUE_BYTES >> 20}; "
+                               "0: unbounded)")
+    batching.add_argument("--default-timeout-us", type=int, default=DEFAULT_TIMEOUT_US,
+                          help="drop a request still queued after this long with DEADLINE_EXCEEDED "
+                               f"(default {DEFAULT_TIMEOUT_US}; 0: only client deadlines)")
+    batching.add_argument("--priority-levels", type=int, default=0,
+                          help="request priority levels (1 = highest; 0: priorities off)")
+    batching.add_argument("--default-priority-level", type=int, default=0,
+                          help="level of a request that gives no priority (default: the lowest, --priority-levels)")
+    logs = p.add_argument_group("logging and discovery")
+    logs.add_argument("--log-level", type=_log_level, default="INFO", metavar="LEVEL",
+                      help=f"least severe record logged: {', '.join(LEVELS)}")
+    logs.add_argument("--log-format", choices=["text", "json"], default="text",
+                      help="json: every line on stdout and stderr is one JSON object (the plan, READY, warnings of "
+                           "the libraries too), for log collectors")
+    logs.add_argument("--list-backends", action="store_true", help="show discovered backends and exit")
+    logs.add_argument("--list-specs", action="store_true",
+                      help="show every named device spec (sixfold's, vendor packages', backends' devices()) and exit")
     return p
 
 
@@ -193,23 +324,165 @@ def _default_card_spec(backend: str) -> str:
     return devices[0].name if devices else "m2-card"
 
 
-async def _serve(args: argparse.Namespace, console: Console) -> int:
-    from sixfold.partitioner.report.explain import print_plan
+def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mistake that can be seen in a moment, before partitioning and loading (seconds to minutes):
+    the flags that go together, the files, the backend, the specs, TLS, and the ports. UsageError (or
+    PortError) naming the flag and the fix; returns the backend options."""
+    if args.model and args.model not in models.names():
+        raise UsageError(f"--model {args.model}: no such built-in model; give one of {', '.join(models.names())} "
+                         "(or --model-repository REPO for your own)")
+    if args.model and args.cards < 1:
+        raise UsageError(f"--cards {args.cards}: the dense partition needs at least 1 card")
+    if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:
+        raise UsageError("--model-control-mode explicit lets clients load and unload models: give --control-token "
+                         "(or $SIXFOLD_CONTROL_TOKEN), or --insecure-model-control to allow it without a token")
+    if args.model_repository:
+        check_input_dir(args.model_repository, "--model-repository",
+                        "the folder sixfold-partition --out wrote into (REPO/NAME/VERSION/plan.json)")
+    if args.drain_seconds < 0:
+        raise UsageError(f"--drain-seconds {args.drain_seconds:g}: give 0 or more seconds")
+    if args.watch_deltas:
+        if not args.model_repository:
+            raise UsageError("--watch-deltas needs --model-repository (deltas are persisted in the version folders)")
+        if Path(args.watch_deltas).exists() and not Path(args.watch_deltas).is_dir():
+            raise UsageError(f"--watch-deltas {args.watch_deltas}: a file, not a folder; give the folder table "
+                             "deltas are written into")
+    from sixfold.backends.registry import discover
+    infos = discover()
+    info = infos.get(args.backend)
+    if info is None or not info.usable:
+        why = "no such backend" if info is None else f"it is {info.status} here ({info.reason})"
+        usable = ", ".join(name for name, i in infos.items() if i.usable) or "none"
+        raise UsageError(f"--backend {args.backend}: {why}; usable backends: {usable} (see --list-backends)")
+    from sixfold.backends.options import load_options_file, parse_option
+    backend_options: dict[str, Any] = {}
+    if args.backend_options_file:
+        check_input_file(args.backend_options_file, "--backend-options-file",
+                         "a JSON object of backend options (e.g. backends/specs/faults/flaky.json)")
+        try:
+            backend_options = load_options_file(args.backend_options_file)
+        except ValueError as exc:
+            raise UsageError(f"--backend-options-file {args.backend_options_file}: {error_text(exc)}; give a JSON "
+                             "object of backend options") from None
+    for text in args.backend_option:
+        try:
+            backend_options.update([parse_option(text)])
+        except ValueError as exc:
+            raise UsageError(f"--backend-option: {error_text(exc)}") from None
+    check_spec(args.host_spec, "--host-spec")
+    check_spec(args.card_spec, "--card-spec")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("TLS needs both --tls-cert and --tls-key (the PEM certificate chain and its private key)")
+    if args.tls_cert:
+        _check_tls(args.tls_cert, args.tls_key)
+    if args.warm_from:
+        check_input_file(args.warm_from, "--warm-from", "a recording written by sixfold-loadgen --record")
+    if args.as_worker is None:  # a worker shares the ports its supervisor checked (SO_REUSEPORT)
+        check_ports(args.host, {"gRPC (--grpc-port)": args.grpc_port,
+                                "REST (--http-port)": None if args.http_port == -1 else args.http_port,
+                                "metrics (--metrics-port)": None if args.metrics_port == -1 else args.metrics_port},
+                    host_label="--host")
+    return backend_options
 
+
+def _check_tls(cert: str, key: str) -> None:
+    """Both files readable, PEM, and the key the certificate's (as the TLS servers will load them)."""
+    import ssl
+
+    check_input_file(cert, "--tls-cert", "the server's PEM certificate chain")
+    check_input_file(key, "--tls-key", "the PEM private key of --tls-cert")
+    if "-----BEGIN CERTIFICATE-----" not in Path(cert).read_text(errors="replace"):
+        raise UsageError(f"--tls-cert {cert}: no PEM certificate in it (-----BEGIN CERTIFICATE-----); give the "
+                         "server's certificate chain, PEM-encoded")
+    text = Path(key).read_text(errors="replace")
+    if "-----BEGIN" not in text or "PRIVATE KEY-----" not in text:
+        raise UsageError(f"--tls-key {key}: no PEM private key in it (-----BEGIN ... PRIVATE KEY-----); give the "
+                         "certificate's private key, PEM-encoded")
+    if "ENCRYPTED" in text:
+        raise UsageError(f"--tls-key {key}: the key is encrypted; give it unencrypted (openssl pkey -in KEY -out "
+                         "KEY.plain), readable by this user only")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")  # a key that wants a password fails, not prompts
+    except ssl.SSLError as exc:
+        why = "the key is not the certificate's" if "MISMATCH" in str(exc) else f"ssl: {exc.reason or exc}"
+        raise UsageError(f"--tls-cert {cert} / --tls-key {key}: they do not load as a pair ({why}); give the "
+                         "certificate chain and its own private key") from None
+
+
+def _served_plan(served: Any) -> tuple[Any, Any]:
+    """``served``'s plan as it runs: with a table memory, its host stage priced as tiered (row cache plus disk
+    reads, ``sixfold.partitioner.pricing.tiers``) in a copy; and the all-resident estimates (None: no tiers)."""
+    plan = served.plan
+    budget = served.parameters.get("sixfold.table_memory")
+    if not budget or not plan.tables.get("rows"):
+        return plan, None
+    from sixfold.partitioner.pricing.tiers import price_plan_tiers
+    pricing = price_plan_tiers(plan, [budget])
+    tiered = _tiered_estimates(plan.estimates, pricing.estimates[0].host_seconds, int(budget))
+    return dataclasses.replace(plan, estimates=tiered, tiers=pricing), plan.estimates
+
+
+def _tiered_estimates(est: Any, host_seconds: float, host_bytes: int) -> Any:
+    """``est`` with the host's batch time and DRAM (the row cache's budget) replaced, and the bound,
+    bottleneck and latency that follow (as ``sixfold.partitioner.pricing.estimate.estimate_plan`` derives them)."""
+    per_device = [dataclasses.replace(d, batch_seconds=host_seconds, memory_bytes=min(d.memory_bytes, host_bytes))
+                  if d.device == "host" else dataclasses.replace(d) for d in est.per_device]
+    names = list(dict.fromkeys(p for d in per_device for p in d.partitions))
+    rates = {name: sum(est.batch_rows / d.batch_seconds for d in per_device
+                       if name in d.partitions and d.batch_seconds > 0) or float("inf") for name in names}
+    bottleneck = min(rates, key=rates.get)
+    bound = rates[bottleneck]
+    for d in per_device:
+        replicas = sum(1 for x in per_device if set(x.partitions) == set(d.partitions))
+        d.utilisation = min(1.0, bound / replicas * d.batch_seconds / est.batch_rows) if est.batch_rows else 0.0
+    latency = sum(max(d.batch_seconds for d in per_device if name in d.partitions) for name in names)
+    return dataclasses.replace(est, per_device=per_device, bottleneck=bottleneck, throughput_items_per_s=bound,
+                               latency_ms=latency * 1e3)
+
+
+def _tiered_note(plan: Any, resident: Any) -> str:
+    if resident is None:
+        return ""
+    tier = plan.tiers.estimates[0]
+    return (f"priced with its table memory ({tier.budget_bytes / 2**20:,.1f} MiB: {tier.hit_rate:.1%} of lookups "
+            f"from the row cache, {tier.reads_per_batch:,.0f} disk reads per batch); with every row in DRAM it "
+            f"would be {resident.throughput_items_per_s:,.0f} items/s, {resident.latency_ms:.2f} ms")
+
+
+def _plan_fields(plan: Any, resident: Any) -> dict[str, Any]:
+    """The plan as a structure for a JSON log line: what runs where and the estimates (``plan.json`` holds all)."""
+    est = plan.estimates
+    fields: dict[str, Any] = {
+        "model": plan.model, "strategy": plan.strategy, "batch_rows": est.batch_rows, "bottleneck": est.bottleneck,
+        "throughput_items_per_s": round(est.throughput_items_per_s, 1), "latency_ms": round(est.latency_ms, 3),
+        "devices": [{"device": d.device, "spec": plan.device(d.device).spec.name, "partitions": d.partitions,
+                     "memory_bytes": d.memory_bytes, "memory_capacity": d.memory_capacity,
+                     "batch_ms": round(d.batch_seconds * 1e3, 4), "transfer_ms": round(d.transfer_seconds * 1e3, 4),
+                     "utilisation": round(d.utilisation, 4)} for d in est.per_device],
+        "partitions": [{"name": p.name, "kind": p.kind, "format": p.format, "nodes": len(p.nodes),
+                        "param_bytes": p.param_bytes, "flops_per_item": p.flops_per_item,
+                        "bytes_per_item": p.bytes_per_item, "inputs": [i.name for i in p.inputs],
+                        "outputs": [o.name for o in p.outputs]} for p in plan.partitions],
+    }
+    if plan.shards:
+        fields["table_shards"] = len(plan.shards)
+    if plan.tiers is not None:
+        fields["tiers"] = plan.tiers.to_dict()
+    if resident is not None:
+        fields["resident"] = {"bottleneck": resident.bottleneck,
+                              "throughput_items_per_s": round(resident.throughput_items_per_s, 1),
+                              "latency_ms": round(resident.latency_ms, 3)}
+    return fields
+
+
+async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[str, Any]) -> int:
     from sixfold.server.loading.loader import load_builtin, load_from_repository
     from sixfold.server.loading.model_control import ModelControl
     from sixfold.server.loading.repository import ModelRepository
-    from sixfold.backends.options import load_options_file, parse_option
 
-    if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:
-        raise ValueError("--model-control-mode explicit lets clients load and unload models: give --control-token "
-                         "(or $SIXFOLD_CONTROL_TOKEN), or --insecure-model-control to allow it without a token")
-    if args.drain_seconds < 0:
-        raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.card_spec is None:
         args.card_spec = _default_card_spec(args.backend)
-    backend_options = load_options_file(args.backend_options_file) if args.backend_options_file else {}
-    backend_options.update(parse_option(text) for text in args.backend_option)
     workers = _worker_set(args.as_worker)
     if workers is not None and args.backend == "simcard":  # the workers' copies of a card are one card
         backend_options.setdefault("shared_timelines", str(workers.timelines))
@@ -234,7 +507,8 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                           shared_memory=not args.no_shared_memory, workers=workers)
     served_models = []
     if args.model:
-        with console.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host..."):
+        with out.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host...", "loading",
+                        model=args.model):
             served = await asyncio.to_thread(
                 load_builtin, args.model, max_rows=args.max_rows, seed=args.seed, cards=args.cards,
                 backend=args.backend, card_spec=args.card_spec, host_spec=args.host_spec, metrics=metrics,
@@ -248,7 +522,7 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
                 host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
                 card_scheduling=args.card_scheduling)
         if not quiet:
-            print_plan(served.plan, console)
+            out.plan(served)
         served_models.append(served)
     core = InferenceCore(served_models)
     if args.model_repository:
@@ -273,17 +547,16 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
         if args.model_control_mode == "explicit" and "*" not in args.load_model:
             unknown = sorted(set(args.load_model) - set(names))
             if unknown:
-                raise ValueError(f"--load-model {unknown}: not in {args.model_repository} (it has {names})")
+                raise UsageError(f"--load-model {unknown}: not in {args.model_repository} (it has {names})")
             names = [n for n in names if n in args.load_model]
         for name in names:
-            with console.status(f"loading {name} from {args.model_repository}..."):
+            with out.status(f"loading {name} from {args.model_repository}...", "loading", model=name):
                 await control.load(name)
             if not quiet:
-                print_plan(core.model(name).plan, console)
+                out.plan(core.model(name))
     if not core.versions and args.model_control_mode != "explicit":
-        raise ValueError(f"no model to serve: {args.model_repository} has no model folders")
-    if args.watch_deltas and not args.model_repository:
-        raise ValueError("--watch-deltas needs --model-repository (deltas are persisted in the version folders)")
+        raise UsageError(f"--model-repository {args.model_repository}: no model folders in it "
+                         "(REPO/NAME/VERSION/plan.json, as sixfold-partition --out writes)")
     server = SixfoldServer(core, config, metrics)
     port = await server.start()
     watcher = None
@@ -296,8 +569,10 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
                         for m in core.all_versions())
     rest_at = f"{scheme}://{args.host}:{server.http_port}/v2" if server.http_port is not None else "off"
-    console.print(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} (gRPC); "
-                  f"REST {rest_at}; metrics {metrics_at}", soft_wrap=True)
+    out.say(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} (gRPC); "
+            f"REST {rest_at}; metrics {metrics_at}", "serving", grpc=f"{args.host}:{port}", rest=rest_at,
+            metrics=metrics_at, models=[{"name": m.name, "version": m.version, "cards": len(m.runtime.cards)}
+                                        for m in core.all_versions()])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -309,27 +584,42 @@ async def _serve(args: argparse.Namespace, console: Console) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # before READY: a caller may signal as soon as it reads it
         loop.add_signal_handler(sig, on_signal)
     if workers is not None:  # the supervisor starts the other workers on the ports this one bound
-        console.print(worker_ports_line(port, server.http_port, server.metrics_port), highlight=False)
-    console.print(f"{READY_PREFIX}{args.host}:{port}", highlight=False)
+        out.protocol_line(worker_ports_line(port, server.http_port, server.metrics_port))
+    # NOTE: with --log-format json, READY is a JSON object whose message is the same text
+    # (sixfold.server.workers.process.ready_address reads both)
+    out.say(f"{READY_PREFIX}{args.host}:{port}", "ready", grpc=f"{args.host}:{port}",
+            http=None if server.http_port is None else f"{args.host}:{server.http_port}",
+            metrics=None if server.metrics_port is None else f"{args.host}:{server.metrics_port}")
     await stop.wait()
     if args.drain_seconds > 0:
-        console.print(f"sixfold-serve: draining (not ready; still serving for {args.drain_seconds:g} s)...")
+        out.say(f"sixfold-serve: draining (not ready; still serving for {args.drain_seconds:g} s)...", "draining",
+                drain_seconds=args.drain_seconds)
     else:
-        console.print("sixfold-serve: shutting down (answering queued requests)...")
+        out.say("sixfold-serve: shutting down (answering queued requests)...", "stopping")
     if watcher is not None:
         await watcher.stop()
     await server.stop()
-    console.print("sixfold-serve: stopped")
+    out.say("sixfold-serve: stopped", "stopped")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    parser.json_errors = _wants_json(argv)
+    args = parser.parse_args(argv)
     if args.as_worker is not None:
         follow_supervisor()
     keep_freed_memory()  # first: it binds only threads that have not allocated yet (sixfold.server.memory.allocator)
-    configure_logging(args.log_level, args.log_format)
-    console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 120)
+    capture = configure_logging(args.log_level, args.log_format)
+    try:
+        return _main(args, argv, _Output(args.log_format))
+    finally:
+        if capture is not None:
+            capture.close()
+
+
+def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
     if args.list_backends:
         from sixfold.backends.registry import describe
         print(describe())
@@ -339,35 +629,39 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_specs())
         return 0
     if not args.model and not args.model_repository:
-        print("sixfold-serve: give --model NAME or --model-repository REPO (or --list-backends)", file=sys.stderr)
+        out.error("give --model NAME or --model-repository REPO (or --list-backends); see sixfold-serve --help")
         return 2
     if args.workers < 1:
-        print(f"sixfold-serve: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        out.error(f"--workers must be >= 1, got {args.workers}")
         return 2
     if args.workers > 1 and args.watch_deltas:
-        print("sixfold-serve: --watch-deltas needs --workers 1 (each worker holds its own tables, and one delta "
-              "log is kept per version)", file=sys.stderr)
+        out.error("--watch-deltas needs --workers 1 (each worker holds its own tables, and one delta log is kept "
+                  "per version)")
+        return 2
+    try:
+        backend_options = _check_before_loading(args)
+    except (UsageError, OSError) as exc:
+        out.error(error_text(exc))
         return 2
     if args.workers > 1 and args.as_worker is None:
         from sixfold.server.workers.supervisor import serve_workers
-        return serve_workers(argv if argv is not None else sys.argv[1:], args.workers, host=args.host,
+        return serve_workers(argv, args.workers, host=args.host,
                              grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_token=args.metrics_token or None,
-                             print_line=lambda text: print(text, flush=True))
+                             print_line=out.supervisor_line)
     try:
         import uvloop
         run = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
         run = asyncio.run
     try:
-        return run(_serve(args, console))
+        return run(_serve(args, out, backend_options))
     except ServingError as exc:
-        print(f"sixfold-serve: {exc.message}", file=sys.stderr)
+        out.error(exc.message)
         return 2
-    except (KeyError, ValueError, MemoryError, FileNotFoundError, OSError, BackendError) as exc:
-        print(f"sixfold-serve: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except (KeyError, ValueError, MemoryError, OSError, BackendError) as exc:
+        out.error(error_text(exc))
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -208,10 +208,14 @@ def emit(message: str, *, level: str = "info", logger: str = "sixfold", stream: 
         print(line, file=out, flush=True)
 
 
-def write_line(line: str, stream: str = "stdout") -> None:
-    """``line`` as it is, past the capture (already JSON, or a line another process reads verbatim)."""
+def write_line(line: str, stream: str = "stdout", *, past_capture: bool = False) -> None:
+    """``line`` as it is: a JSON object into the captured stream (in order with the rest), or with
+    ``past_capture`` straight to the original one (a line another process reads verbatim)."""
     if _capture is not None:
-        _capture.write_original(line, stream)
+        if past_capture:
+            _capture.write_original(line, stream)
+        else:
+            _capture.write(line, stream)
     else:
         print(line, file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
 

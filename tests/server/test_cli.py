@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from sixfold import models
+from sixfold.server.workers.process import READY_PREFIX
 from tests.conftest import ServeProcess, free_port, triton_inputs
 
 SERVE = Path(sys.executable).parent / "sixfold-serve"
@@ -73,7 +76,7 @@ def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
 def test_serve_reports_a_bad_model_cleanly() -> None:
     result = subprocess.run([str(SERVE), "--model", "nope", "--grpc-port", "0", "--metrics-port", "-1"],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "unknown model 'nope'" in result.stderr
+    assert result.returncode == 2 and "--model nope: no such built-in model" in result.stderr, result.stderr
     result = subprocess.run([str(SERVE), "--model", "rm1", "--max-rows", "100", "--host-spec", "no-such-spec",
                              "--grpc-port", "0", "--metrics-port", "-1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no-such-spec" in result.stderr, result.stderr
@@ -136,3 +139,98 @@ def test_allow_nonfinite_flag_passes_nan_dense_features_through() -> None:
                         assert exc.status() == "StatusCode.INVALID_ARGUMENT" and "dense_features" in exc.message()
         finally:
             assert serve.stop() == 0, serve.output
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a refused start: no traceback, no bare errno, and nothing loaded first."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and not lines[0].rstrip().split(":")[-1].strip().isdigit(), lines
+    assert "bottleneck" not in result.stdout and "warmed up" not in result.stderr  # refused before loading
+    return lines[0]
+
+
+def test_user_mistakes_are_one_line_naming_the_flag_before_anything_loads(tmp_path) -> None:
+    (tmp_path / "not-a-cert.pem").write_text("hello\n")
+    (tmp_path / "bad-spec.json").write_text("{")
+    # NOTE: rm2 at 50k rows takes seconds to partition: every refusal below comes before it, or the plan shows
+    base = [str(SERVE), "--model", "rm2", "--max-rows", "50000", "--cards", "2", "--grpc-port", "0",
+            "--http-port", "0", "--metrics-port", "-1"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        free = free_port()
+        mistakes = [
+            (["--metrics-port", str(taken)],
+             f"could not bind 127.0.0.1:{taken} for metrics (--metrics-port): it is in use"),
+            (["--grpc-port", str(taken)], f"could not bind 127.0.0.1:{taken} for gRPC (--grpc-port): it is in use"),
+            (["--grpc-port", str(free), "--http-port", str(free)],
+             f"gRPC (--grpc-port) and REST (--http-port) are both {free}: give each its own port"),
+            (["--host", "203.0.113.9"], "--host: 203.0.113.9 is not an address of this machine"),
+            (["--log-level", "verbose"], "--log-level: 'verbose': give one of debug, info, warning, error, critical"),
+            (["--host-spec", str(tmp_path / "missing.json")], "--host-spec"),
+            (["--host-spec", str(tmp_path / "bad-spec.json")], "not a device spec"),
+            (["--backend", "nope"], "--backend nope: no such backend"),
+            (["--backend-options-file", str(tmp_path / "missing.json")], "--backend-options-file"),
+            (["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.pem")],
+             "--tls-cert"),
+            (["--tls-cert", str(tmp_path / "not-a-cert.pem"), "--tls-key", str(tmp_path / "not-a-cert.pem")],
+             "no PEM certificate"),
+            (["--warm-from", str(tmp_path / "missing.npz"), "--table-memory", "10%"], "--warm-from"),
+            (["--cards", "0"], "--cards 0"),
+        ]
+        for extra, expected in mistakes:
+            result = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+            line = _one_line_error(result)
+            assert expected in line and line.startswith("sixfold-serve: "), (extra, line)
+    result = subprocess.run([str(SERVE), "--model-repository", str(tmp_path / "absent"), "--grpc-port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert "--model-repository" in _one_line_error(result) and "no such folder" in result.stderr
+
+
+def test_json_log_format_every_line_is_json_and_the_plan_prices_the_table_memory() -> None:
+    serve = ServeProcess("--model", "rm1", "--max-rows", "2000", "--cards", "2", "--grpc-port", "0",
+                         "--metrics-port", "0", "--log-format", "json", "--table-memory", "25%")
+    try:
+        assert serve.url, serve.output  # the READY object is read as the READY line is
+        with tc.InferenceServerClient(serve.url) as client:
+            assert client.is_server_ready()
+        assert serve.stop() == 0
+        deadline = time.monotonic() + 10  # the reader thread may still be taking the last lines
+        while '"stopped"' not in serve.output and time.monotonic() < deadline:
+            time.sleep(0.05)
+        entries = [json.loads(line) for line in serve.lines]  # raises on any line that is not one JSON object
+    finally:
+        serve.kill()
+    assert all(isinstance(e, dict) and {"ts", "level", "logger", "message"} <= set(e) for e in entries)
+    events = [e.get("event") for e in entries]
+    for event in ("loading", "plan", "serving", "ready", "stopped"):
+        assert event in events, events
+    [ready] = [e for e in entries if e.get("event") == "ready"]
+    assert ready["message"] == f"{READY_PREFIX}{serve.url}" and ready["grpc"] == serve.url
+    [plan] = [e for e in entries if e.get("event") == "plan"]
+    fields = plan["plan"]
+    assert [d["device"] for d in fields["devices"]] == ["host", "card0", "card1"]
+    # with a table memory the start-up plan prices the tiers it runs, not every row resident
+    assert fields["tiers"]["estimates"][0]["hit_rate"] < 1 and "priced with its table memory" in plan["message"]
+    assert fields["throughput_items_per_s"] < fields["resident"]["throughput_items_per_s"]
+    assert fields["latency_ms"] > fields["resident"]["latency_ms"]
+
+
+def test_json_log_format_mistakes_are_one_json_line() -> None:
+    for extra in (["--log-level", "verbose"], ["--metrics-port", "70000"]):
+        result = subprocess.run([str(SERVE), "--model", "rm1", "--grpc-port", "0", "--http-port", "0",
+                                 "--log-format", "json", *extra], capture_output=True, text=True, timeout=120)
+        [line] = result.stderr.splitlines()
+        entry = json.loads(line)
+        assert result.returncode == 2 and entry["level"] == "error" and extra[0] in entry["message"], line
+
+
+def test_help_is_grouped_with_defaults() -> None:
+    text = subprocess.run([str(SERVE), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    for group in ("model (what to serve):", "network:", "security (TLS and tokens):", "cards and placement:",
+                  "embedding tables:", "batching and admission:", "logging and discovery:"):
+        assert f"\n{group}\n" in text, group
+    assert "(default 1024)" in text.replace("\n", " ").replace("  ", " ")  # --max-batch-rows: default shown
+    assert "$SIXFOLD_CONTROL_TOKEN" in text and text.count("usage:") == 1 and len(text.splitlines()[0]) < 130
