@@ -67,8 +67,11 @@ def rollback_delta(url: str, model: str, *, token: str | None = None, timeout_s:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sixfold-delta", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    from sixfold.partitioner.cli import DefaultsHelpFormatter, OneLineParser
+    # NOTE: the docstring's first two paragraphs (the commands), without reST's double backquotes
+    description = "\n\n".join(__doc__.split("\n\n")[:2]).replace("``", "")
+    p = OneLineParser(prog="sixfold-delta", description=description, formatter_class=DefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{make,apply,rollback,show}")
     make = sub.add_parser("make", help="write the rows that differ between two version folders as a delta")
     make.add_argument("old", help="the version folder the delta applies to (sixfold-partition --out)")
     make.add_argument("new", help="the version folder with the new rows")
@@ -95,9 +98,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """The folders a command reads and writes, before it reads tables or reaches a server."""
+    from sixfold.partitioner.cli import check_input_dir, check_output_dir
+    if args.command == "make":
+        for flag, path in (("OLD_VERSION_DIR", args.old), ("NEW_VERSION_DIR", args.new)):
+            check_input_dir(path, flag, "a model version folder (sixfold-partition --out writes one)")
+        check_output_dir(args.out, "--out")
+    elif args.command == "show" or (args.command == "apply" and not args.server_path):
+        check_input_dir(args.delta, "DELTA", "a delta folder (sixfold-delta make --out writes one)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from sixfold.partitioner.cli import UsageError, error_text
     from sixfold.partitioner.tables.deltas import DeltaError, make_delta, read_delta
+    try:
+        _check_paths(args)
+    except UsageError as exc:
+        print(f"sixfold-delta {args.command}: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "make":
             t0 = time.perf_counter()
@@ -123,10 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     except DeltaError as exc:
         print(f"sixfold-delta: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"sixfold-delta {args.command}: {error_text(exc)}", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - e.g. the server's refusal, named as it said it
         from tritonclient.utils import InferenceServerException
         if isinstance(exc, InferenceServerException):
-            print(f"sixfold-delta: the server refused: {exc.message()}", file=sys.stderr)
+            message = " ".join(str(exc.message()).split())
+            if exc.status() == "StatusCode.UNAVAILABLE" or "failed to connect" in message or "resolv" in message:
+                print(f"sixfold-delta {args.command}: cannot reach a server at {args.url} ({message}); give "
+                      "--url HOST:PORT of sixfold-serve's gRPC port", file=sys.stderr)
+            else:
+                print(f"sixfold-delta: the server refused: {message}", file=sys.stderr)
             return 1
         raise
     return 0
