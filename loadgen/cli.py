@@ -291,6 +291,41 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _os_error(exc: OSError) -> str:
+    """One line for an OSError: the file it concerns and why, never a bare errno (as sixfold-serve says it)."""
+    if exc.strerror is None:
+        return str(exc) or type(exc).__name__
+    return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files a run reads and writes, before it runs (a report written after minutes of load must not fail
+    on its folder): ValueError naming the flag and the fix."""
+    import os
+    certificates = getattr(args, "root_certificates", None)
+    if certificates and not Path(certificates).is_file():
+        raise ValueError(f"--root-certificates {certificates}: no such file; give the CA certificates (PEM) "
+                         "that signed the server's certificate")
+    outputs = [("--report", args.report), ("--record", args.record), ("--plot", args.plot),
+               ("--export-perf-analyzer", args.export_perf_analyzer)]
+    if args.mlperf_scenario:
+        outputs.append(("--mlperf-log-dir", str(Path(args.mlperf_log_dir) / "mlperf_log_summary.txt")))
+    for flag, path in outputs:
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir() and flag != "--plot":
+            raise ValueError(f"{flag} {path}: a folder; give a file path")
+        parent = p.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {path}: {parent} is a file, not a folder; give a path in a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path}: this user cannot write in {parent}; give a path in a folder it can "
+                             "write")
+
+
 def _run(args: argparse.Namespace, config: LoadConfig, console: Console | None) -> Report | None:
     if args.export_perf_analyzer:
         from sixfold.loadgen.export import export_perf_analyzer_async
@@ -319,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = _mlperf_settings(args) if args.mlperf_scenario else None
         config = _config(args)
+        _check_paths(args)
     except ValueError as exc:
         return _fail(str(exc), 2)
     console = Console()
@@ -327,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_mlperf(args, config, settings, None if args.quiet else console)
         except ValueError as exc:
             return _fail(str(exc), 2)
-        except (LoadgenError, RuntimeError, TimeoutError, OSError) as exc:
+        except OSError as exc:
+            return _fail(_os_error(exc), 1)
+        except (LoadgenError, RuntimeError, TimeoutError) as exc:
             return _fail(str(exc), 1)
         except KeyboardInterrupt:
             return _fail("interrupted", 130)
@@ -335,17 +373,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = _run(args, config, None if args.quiet else console)
     except ValueError as exc:
         return _fail(str(exc), 2)
+    except OSError as exc:
+        return _fail(_os_error(exc), 1)
     except (LoadgenError, RuntimeError, TimeoutError) as exc:
         return _fail(str(exc), 1)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     if report is None:
         return 0
-    path = report.write_json(args.report)
-    plots = []
-    if args.plot:
-        from sixfold.loadgen.plot import plot_all
-        plots = plot_all(report, args.plot)
+    try:
+        path = report.write_json(args.report)
+        plots = []
+        if args.plot:
+            from sixfold.loadgen.plot import plot_all
+            plots = plot_all(report, args.plot)
+    except OSError as exc:
+        return _fail(_os_error(exc), 1)
     if args.quiet:
         if report.sweep is not None:  # NOTE: the one line a --quiet search exists to give
             from sixfold.loadgen.sweep import answer_line
