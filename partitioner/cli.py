@@ -5,6 +5,7 @@
   sixfold-partition show PLAN                        print a saved plan (plan.json or its folder), tiers included
   sixfold-partition tables build|import ...          write a model's tables to disk in chunks, or import a user's
   sixfold-partition tiers PLAN [--table-memory B]    price a plan's table tiers (row cache, disk reads)
+  sixfold-partition tiers calibrate --dir DIR        measure the disk under DIR for the tier prices
 
 Each subcommand has its own --help.
 """
@@ -257,9 +258,58 @@ def _check_calibrate(rest: list[str], disk: str | None, disk_out: str) -> None:
         check_output_file(disk_out, "--disk-out")
 
 
-def _subcommand(name: str, run, argv: list[str]) -> int:
-    """A subcommand whose mistakes (a missing file, a bad value) are one line, not a traceback."""
+def _positionals(argv: list[str], takes_value: set[str]) -> list[str]:
+    """The arguments of ``argv`` that are not options or option values (``takes_value``: options with one)."""
+    found, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in takes_value:
+            skip = True
+        elif not a.startswith("-"):
+            found.append(a)
+    return found
+
+
+def _check_tiers(argv: list[str]) -> None:
+    """tiers' files, named, before it prices or measures."""
+    if argv[:1] == ["calibrate"]:
+        if directory := _option(argv, "--dir"):
+            check_input_dir(directory, "--dir", "a folder on the disk to measure")
+        if out := _option(argv, "--out"):
+            check_output_file(out, "--out")
+        return
+    plans = _positionals(argv, {"--disk-spec", "--zipf", "--items", "--table-memory"})
+    if plans:
+        from sixfold.partitioner.plan import PartitionPlan
+        path = plans[0]
+        check_input_file(path, "PLAN", "a plan.json (sixfold-partition --out writes one)")
+        try:
+            PartitionPlan.load(path)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"PLAN {path}: not a readable plan ({error_text(exc)}); give a plan.json "
+                             "sixfold-partition --out wrote") from None
+    if disk := _option(argv, "--disk-spec"):
+        check_input_file(disk, "--disk-spec", "a disk JSON written by sixfold-partition calibrate --disk")
+
+
+def _check_tables(argv: list[str]) -> None:
+    """tables' folders, named, before it builds or imports (minutes for a large model)."""
+    if out := _option(argv, "--out"):
+        check_output_dir(out, "--out")
+    if argv[:1] == ["import"]:
+        sources = _positionals(argv[1:], {"--out", "--keys", "--table-precision"})
+        if sources and not Path(sources[0]).exists():
+            raise UsageError(f"SOURCE {sources[0]}: no such file or folder; give a state dict (torch.save) or a "
+                             "folder of .npy tables")
+
+
+def _subcommand(name: str, run, argv: list[str], check=None) -> int:
+    """A subcommand whose mistakes (a missing file, a bad value) are one line, not a traceback; ``check``
+    looks at its files first."""
     try:
+        if check is not None and "-h" not in argv and "--help" not in argv:
+            check(argv)
         return run(argv)
     except (UsageError, OSError, KeyError, ValueError, RuntimeError) as exc:
         print(f"sixfold-partition {name}: {error_text(exc)}", file=sys.stderr)
@@ -341,10 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         return _subcommand("calibrate", run, rest)
     if argv[:1] == ["tables"]:  # build a model's tables to disk in chunks, or import a user's (table_build)
         from sixfold.partitioner.tables.build import main as tables
-        return _subcommand("tables", tables, argv[1:])
+        return _subcommand("tables", tables, argv[1:], _check_tables)
     if argv[:1] == ["tiers"]:  # price a plan's table tiers, or measure a disk (sixfold.partitioner.pricing.tiers_cli)
         from sixfold.partitioner.pricing.tiers_cli import main as tiers
-        return _subcommand("tiers", tiers, argv[1:])
+        return _subcommand("tiers", tiers, argv[1:], _check_tiers)
     if argv[:1] == ["show"]:  # print a saved plan, its stored tier table included
         return _show(argv[1:])
     args = _parser().parse_args(argv)

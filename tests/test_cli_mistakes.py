@@ -38,9 +38,12 @@ def test_sixfold_partition_mistakes(tmp_path) -> None:
     # subcommands: calibrate checks where it writes before measuring; the others' mistakes are one line too
     assert "--out" in _refused("sixfold-partition", "calibrate", "--seconds", "1", "--out",
                                str(tmp_path / "a-file" / "host.json"))
-    assert "sixfold-partition tiers: " in _refused("sixfold-partition", "tiers", str(tmp_path / "missing.json"))
-    assert "sixfold-partition tables: " in _refused("sixfold-partition", "tables", "import",
-                                                    str(tmp_path / "missing.pt"), "--out", str(tmp_path / "v"))
+    assert "sixfold-partition tiers: PLAN " in _refused("sixfold-partition", "tiers", str(tmp_path / "missing.json"))
+    assert "not a readable plan" in _refused("sixfold-partition", "tiers", str(tmp_path / "a-file"))
+    assert "sixfold-partition tables: SOURCE " in _refused("sixfold-partition", "tables", "import",
+                                                           str(tmp_path / "missing.pt"), "--out", str(tmp_path / "v"))
+    assert "sixfold-partition tables: --out " in _refused("sixfold-partition", "tables", "build", "rm1", "--out",
+                                                          str(tmp_path / "a-file" / "v"))
 
 
 def test_sixfold_partition_help_says_every_subcommand() -> None:
