@@ -3,9 +3,9 @@
 Starts `sixfold-serve` on a free loopback port, drives it open-loop with
 `sixfold-loadgen` (Poisson arrivals, MLPerf query sizes, power-law ids), prints
 the latency/throughput report, and always shuts the server down. The host is priced by
-this machine's own calibration (`--host-spec auto`: measured once, then cached), and the
-summary puts what the plan estimated and what `sixfold-simulate` predicts for the same
-traffic beside what was measured.
+this machine's own calibration (`--host-spec auto`: measured once, then cached; `make serve`
+prices it the same way, both from the Makefile's HOST_SPEC), and the summary puts what the
+plan estimated and what `sixfold-simulate` predicts for the same traffic beside what was measured.
 """
 
 from __future__ import annotations
