@@ -319,8 +319,8 @@ def _subcommand(name: str, run, argv: list[str], check=None) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     """What can be checked in a moment, before exporting and partitioning (which take seconds to minutes)."""
     if args.model and args.model not in models.names():
-        raise UsageError(f"--model {args.model}: no such built-in model; give one of {', '.join(models.names())}, "
-                         "or a model file")
+        raise UsageError(f"--model {args.model}: unknown model {args.model!r}; built-in models: "
+                         f"{', '.join(models.names())} (or give a model file)")
     if args.model_file:
         check_input_file(args.model_file, "MODEL_FILE", "a torch.export archive (.pt2) or an ONNX model (.onnx)")
         if Path(args.model_file).suffix not in (".pt2", ".onnx"):

@@ -329,8 +329,8 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
     the flags that go together, the files, the backend, the specs, TLS, and the ports. UsageError (or
     PortError) naming the flag and the fix; returns the backend options."""
     if args.model and args.model not in models.names():
-        raise UsageError(f"--model {args.model}: no such built-in model; give one of {', '.join(models.names())} "
-                         "(or --model-repository REPO for your own)")
+        raise UsageError(f"--model {args.model}: unknown model {args.model!r}; built-in models: "
+                         f"{', '.join(models.names())} (or --model-repository REPO for your own)")
     if args.model and args.cards < 1:
         raise UsageError(f"--cards {args.cards}: the dense partition needs at least 1 card")
     if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:

@@ -34,7 +34,7 @@ def test_sixfold_partition_mistakes(tmp_path) -> None:
                                                "--table-memory", "lots")
     assert "--draw" in _refused("sixfold-partition", "--model", "rm1", "--plan-only", "--draw",
                                 str(tmp_path / "a-file" / "x.png"))
-    assert "--model nope: no such built-in model" in _refused("sixfold-partition", "--model", "nope", "--plan-only")
+    assert "--model nope: unknown model 'nope'" in _refused("sixfold-partition", "--model", "nope", "--plan-only")
     # subcommands: calibrate checks where it writes before measuring; the others' mistakes are one line too
     assert "--out" in _refused("sixfold-partition", "calibrate", "--seconds", "1", "--out",
                                str(tmp_path / "a-file" / "host.json"))

@@ -76,7 +76,7 @@ def test_serve_answers_then_shuts_down_gracefully_on_sigterm() -> None:
 def test_serve_reports_a_bad_model_cleanly() -> None:
     result = subprocess.run([str(SERVE), "--model", "nope", "--grpc-port", "0", "--metrics-port", "-1"],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--model nope: no such built-in model" in result.stderr, result.stderr
+    assert result.returncode == 2 and "--model nope: unknown model 'nope'" in result.stderr, result.stderr
     result = subprocess.run([str(SERVE), "--model", "rm1", "--max-rows", "100", "--host-spec", "no-such-spec",
                              "--grpc-port", "0", "--metrics-port", "-1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no-such-spec" in result.stderr, result.stderr
