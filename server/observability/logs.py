@@ -265,7 +265,12 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *, capture_stdio: 
         _capture.close()
         _capture = None
     if fmt == "json":
-        capture = StdioCapture() if capture_stdio else None
+        capture = None
+        if capture_stdio:
+            try:
+                capture = StdioCapture()
+            except OSError:  # no fd 1 or 2 to put a pipe behind (a closed descriptor): the records alone
+                capture = None
         handler: logging.Handler = _CaptureHandler(capture) if capture else logging.StreamHandler()
         handler.setFormatter(JsonFormatter())
         logging.captureWarnings(True)
