@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,3 +51,19 @@ class ServeProcess(ReadyProcess):
         super().__init__([str(Path(sys.executable).parent / "sixfold-serve"), "--http-port", "0",
                           "--drain-seconds", "0", *args],
                          env=env, cwd=cwd, timeout_s=timeout)
+
+
+def make_certificate(folder: Path, *, common_name: str = "localhost",
+                     alt_names: str = "DNS:localhost,IP:127.0.0.1") -> tuple[Path, Path]:
+    """A self-signed certificate and its key (PEM files in ``folder``), made by openssl for a day."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", f"/CN={common_name}", "-addext", f"subjectAltName={alt_names}",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1, shared by the TLS tests."""
+    return make_certificate(tmp_path_factory.mktemp("tls"))

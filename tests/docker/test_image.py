@@ -19,6 +19,7 @@ import yaml
 from sixfold.loadgen.cli import build_parser as loadgen_parser
 from sixfold.server.app import ServerConfig
 from sixfold.server.cli import _parser
+from tests.conftest import make_certificate
 from tests.docker.conftest import Pod, deployment_container, start_like_the_pod
 from tests.docker.manifests import DOCKER, DRAIN_PHASES, ROOT, Dockerfile, distribution, healthcheck
 
@@ -118,12 +119,9 @@ def test_the_probe_passes_on_a_ready_server_and_fails_without_one(pod: Pod):
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=sixfold.example", "-addext", "subjectAltName=DNS:sixfold.example",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return cert, key
+    """A certificate for a public name, not for loopback: the probe must not verify it."""
+    return make_certificate(tmp_path_factory.mktemp("tls"), common_name="sixfold.example",
+                            alt_names="DNS:sixfold.example")
 
 
 @pytest.mark.parametrize("rest", ["https", "off"])

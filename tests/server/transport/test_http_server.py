@@ -7,7 +7,6 @@ import http.client
 import json
 import socket
 import ssl
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -45,16 +44,6 @@ def _expected(model, request: dict[str, np.ndarray]) -> np.ndarray:
     with torch.inference_mode():
         return model(*[torch.from_numpy(request[k]) for k in
                        ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return cert, key
 
 
 def test_rest_is_https_with_the_servers_tls_files(rm1, certificate) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,16 +18,6 @@ from sixfold.server.core import InferenceCore
 from sixfold.server.loading.loader import load_partitioned
 from sixfold.server.observability.metrics import ServerMetrics
 from tests.conftest import triton_inputs
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return cert, key
 
 
 def test_tls_serves_tls_clients_only(certificate) -> None:
