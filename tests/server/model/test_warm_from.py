@@ -195,4 +195,6 @@ def test_serve_exits_2_naming_a_missing_recording(tmp_path):
                              "--warm-from", str(missing), "--grpc-port", "0", "--http-port", "-1",
                              "--metrics-port", "-1"], capture_output=True, text=True, timeout=180)
     assert result.returncode == 2, result.stderr
-    assert f"cannot read recording '{missing}': no such file" in result.stderr, result.stderr
+    # checked before the model is partitioned: one line naming the flag, the file and the fix
+    assert result.stderr.strip() == (f"sixfold-serve: --warm-from {missing}: no such file; give a recording "
+                                     "written by sixfold-loadgen --record"), result.stderr
