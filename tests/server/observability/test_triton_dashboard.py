@@ -30,6 +30,8 @@ TARGET = {"pod": "sixfold-0", "instance": "10.0.0.7:8002", "job": "sixfold"}
 REQUESTS = 16
 """Requests each server answers, each on a fresh channel (with 2 workers, all on one has odds of 2**-15)."""
 KINDS = ("one-process", "two-workers")
+WORKERS = 2
+"""The workers of the "two-workers" server (checked by hand at 4 too: closing note of issue 34)."""
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def servers():
     started = {}
     try:
         for kind in KINDS:
-            extra = ("--workers", "2") if kind == "two-workers" else ()
+            extra = ("--workers", str(WORKERS)) if kind == "two-workers" else ()
             started[kind] = ServeProcess("--model", "tiny", "--grpc-port", "0", "--metrics-port", "0", *extra,
                                          timeout=0)
         urls = {}
@@ -143,9 +145,10 @@ def test_two_workers_write_one_process_page(scrapes):
             assert two.get(name) == (kind, labels), name
     _, after = scrapes["two-workers"]
     served = after.samples["sixfold_worker_inference_request_success_total"]
-    assert sum(served.values()) == REQUESTS and len(served) == 2
+    assert sum(served.values()) == REQUESTS and len(served) == WORKERS
     # the same cards: each worker holds its own partitions on them
     one_cards, two_cards = (scrapes[kind][1].samples for kind in KINDS)
     for labels, total in one_cards["sixfold_card_memory_total_bytes"].items():
         assert two_cards["sixfold_card_memory_total_bytes"][labels] == total
-        assert two_cards["sixfold_card_memory_used_bytes"][labels] == 2 * one_cards["sixfold_card_memory_used_bytes"][labels]
+        used = one_cards["sixfold_card_memory_used_bytes"][labels]
+        assert two_cards["sixfold_card_memory_used_bytes"][labels] == WORKERS * used
