@@ -21,6 +21,14 @@ region NOT_FOUND, a request naming an unknown region or bytes outside it INVALID
 Only a client on this host can share memory with the server, so a registration from any other peer
 is a mistake or an attack (a remote client naming a local segment, to have scores written into it):
 it is refused with PERMISSION_DENIED (``check_local_peer``), whatever ``--host`` the server binds.
+Unregistering is guarded the same way (``check_local_peer`` in both front ends' unregister).
+
+Only regular POSIX shared memory objects are mapped: the key is one name (no '/', no '..', no NUL),
+opened relative to the shm directory with ``O_NOFOLLOW`` (a symlink is refused, so a client cannot
+have scores written into a file it points at, as the server's user), and the opened object must be a
+regular file on the shm directory's filesystem (``fstat``: ``S_ISREG`` and the same ``st_dev``).
+Each mapping holds a descriptor (CPython's mmap keeps a dup), so the number of regions and the bytes
+they map are capped (``MAX_REGIONS``, ``MAX_REGION_BYTES``): beyond a cap, RESOURCE_EXHAUSTED (REST 429).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import ipaddress
 import math
 import mmap
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +45,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from sixfold.server.errors import InvalidInput, Unavailable
+from sixfold.server.errors import InvalidInput, Overloaded, Unavailable
 
-__all__ = ["RegionStatus", "SharedMemoryRegistry", "RegionExists", "RegionNotFound", "NotLocal", "SHM_ROOT",
+__all__ = ["RegionStatus", "SharedMemoryRegistry", "RegionExists", "RegionNotFound", "NotLocal", "TooManyRegions",
+           "SHM_ROOT", "MAX_REGIONS", "MAX_REGION_BYTES",
            "SharedMemoryRef", "check_local_peer", "grpc_peer_host", "enabled", "tensor_from_region",
            "check_output_region", "write_output"]
 
@@ -47,6 +57,19 @@ SharedMemoryRef = tuple[str, int, int]
 
 SHM_ROOT = Path("/dev/shm")
 """Where Linux keeps ``shm_open``'s objects: key ``/name`` is the file ``/dev/shm/name``."""
+
+
+MAX_REGIONS = 1024
+"""Most regions one server holds at once (each mapping holds a file descriptor)."""
+
+MAX_REGION_BYTES = 64 << 30
+"""Most bytes (``offset + byte_size`` of every region, what is mapped) one server maps at once: 64 GiB."""
+
+
+class TooManyRegions(Overloaded):
+    """A registration past MAX_REGIONS or MAX_REGION_BYTES (gRPC RESOURCE_EXHAUSTED; REST 429)."""
+
+    reason = "shm_limit"
 
 
 class RegionExists(InvalidInput):
@@ -68,9 +91,10 @@ class NotLocal(InvalidInput):
     reason = "not_local"
 
 
-def check_local_peer(host: str | None) -> None:
+def check_local_peer(host: str | None, action: str = "registration") -> None:
     """Refuse a peer that is not on this host: ``host`` is an address (REST's client host, or the
-    address part of gRPC's ``ipv4:A:P`` / ``ipv6:[A]:P`` peer), None or empty for a Unix socket."""
+    address part of gRPC's ``ipv4:A:P`` / ``ipv6:[A]:P`` peer), None or empty for a Unix socket;
+    ``action`` ("registration", "unregistration") names what is refused."""
     if not host or host.startswith("unix:"):
         return
     try:
@@ -80,7 +104,7 @@ def check_local_peer(host: str | None) -> None:
     except ValueError:
         local = host == "localhost"
     if not local:
-        raise NotLocal(f"system shared memory is for clients on this host; a registration from {host} is "
+        raise NotLocal(f"system shared memory is for clients on this host; {action} from {host} is "
                        "refused (connect over loopback, from the server's network namespace)")
 
 
@@ -122,19 +146,61 @@ def _check_int(value: object, what: str) -> int:
 class SharedMemoryRegistry:
     """The regions registered with one server, by name (shared by its gRPC and REST front ends)."""
 
-    def __init__(self, root: Path | str = SHM_ROOT) -> None:
+    def __init__(self, root: Path | str = SHM_ROOT, *, max_regions: int = MAX_REGIONS,
+                 max_bytes: int = MAX_REGION_BYTES) -> None:
         self.root = Path(root)
+        self.max_regions = max_regions
+        self.max_bytes = max_bytes
         self._regions: dict[str, _Region] = {}
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped by every region (``offset + byte_size`` each), what MAX_REGION_BYTES caps."""
+        return sum(r.status.offset + r.status.byte_size for r in self._regions.values())
 
     def __len__(self) -> int:
         return len(self._regions)
 
-    def _path(self, key: str) -> Path:
+    def _name(self, key: str) -> str:
+        """The object's name in the shm directory: one component, never one that leads out of it."""
         name = key[1:] if key.startswith("/") else key
-        if not name or "/" in name or name in (".", ".."):
+        if not name or "/" in name or ".." in name or name == "." or "\0" in name:
             raise InvalidInput(f"shared memory key {key!r} must name a POSIX shared memory object "
-                               "('/name', no other '/')")
-        return self.root / name
+                               "('/name', no other '/', no '..')")
+        return name
+
+    def _open(self, name: str, key: str, region: str) -> int:
+        """A descriptor of the regular shm object ``key``: never through a symlink, never a file
+        outside the shm filesystem, never a FIFO, device or directory."""
+        path = self.root / name
+        dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY,
+                             dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise InvalidInput(f"region '{region}': no shared memory object with key {key!r} "
+                                   f"({path} does not exist)") from None
+            except OSError as exc:
+                if os.path.islink(path):  # ELOOP from O_NOFOLLOW
+                    raise InvalidInput(f"region '{region}': shared memory key {key!r} is a symbolic link "
+                                       f"({path}); only regular shared memory objects are mapped") from None
+                raise InvalidInput(f"region '{region}': cannot open shared memory key {key!r}: "
+                                   f"{exc.strerror}") from None
+            try:
+                info, root_info = os.fstat(fd), os.fstat(dir_fd)
+                if not stat.S_ISREG(info.st_mode):
+                    raise InvalidInput(f"region '{region}': shared memory key {key!r} is not a regular shared "
+                                       f"memory object ({path})")
+                if info.st_dev != root_info.st_dev:
+                    raise InvalidInput(f"region '{region}': shared memory key {key!r} is not on the shared memory "
+                                       f"filesystem of {self.root}")
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        finally:
+            os.close(dir_fd)
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> RegionStatus:
         """Map ``byte_size`` bytes at ``offset`` of the segment ``key`` under ``name``."""
@@ -147,22 +213,27 @@ class SharedMemoryRegistry:
         byte_size = _check_int(byte_size, f"region '{name}': byte_size")
         if byte_size == 0:
             raise InvalidInput(f"region '{name}': byte_size is 0")
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise InvalidInput(f"region '{name}': no shared memory object with key {key!r} "
-                               f"({path} does not exist)") from None
-        except OSError as exc:
-            raise InvalidInput(f"region '{name}': cannot open shared memory key {key!r}: {exc.strerror}") from None
+        object_name = self._name(key)
+        if len(self._regions) >= self.max_regions:
+            raise TooManyRegions(f"region '{name}': {len(self._regions)} shared memory regions are registered, "
+                                 f"the server's cap (max regions {self.max_regions}); unregister some first")
+        mapped = self.mapped_bytes
+        if mapped + offset + byte_size > self.max_bytes:
+            raise TooManyRegions(f"region '{name}': mapping offset {offset} + byte_size {byte_size} would take the "
+                                 f"registered shared memory from {mapped} to {mapped + offset + byte_size} bytes, "
+                                 f"past the server's cap (max bytes {self.max_bytes}); unregister some first")
+        fd = self._open(object_name, key, name)
         try:
             size = os.fstat(fd).st_size
             if offset + byte_size > size:
                 raise InvalidInput(f"region '{name}': offset {offset} + byte_size {byte_size} = "
                                    f"{offset + byte_size} bytes, but shared memory key {key!r} holds {size}")
-            mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                raise InvalidInput(f"region '{name}': cannot map shared memory key {key!r}: {exc.strerror}") from None
         finally:
-            os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
+            os.close(fd)  # the mapping keeps the pages (and, in CPython, a dup of the descriptor)
         status = RegionStatus(name, key, offset, byte_size)
         self._regions[name] = _Region(status, mapping)
         return status

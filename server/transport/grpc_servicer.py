@@ -188,7 +188,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_grpc_errors
     async def SystemSharedMemoryUnregister(self, request, context):
-        enabled(self.core.shared_memory).unregister(request.name)
+        registry = enabled(self.core.shared_memory)
+        check_local_peer(grpc_peer_host(context.peer() or ""), "unregistration")  # guarded like Register
+        registry.unregister(request.name)
         await self._tell_siblings(context, "SystemSharedMemoryUnregister", request)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 

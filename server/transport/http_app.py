@@ -288,8 +288,10 @@ class _Routes:
 
     @_rest_errors
     async def shm_unregister(self, request: Request) -> Response:
+        registry = enabled(self.core.shared_memory)
+        check_local_peer(request.client.host if request.client else None, "unregistration")  # as shm_register
         region = request.path_params.get("region", "")
-        enabled(self.core.shared_memory).unregister(region)
+        registry.unregister(region)
         await self.core.tell_siblings("SystemSharedMemoryUnregister",
                                       service_pb2.SystemSharedMemoryUnregisterRequest(name=region))
         return Response(status_code=200)
