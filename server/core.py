@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from sixfold.server.errors import ModelNotFound, Unavailable
+from sixfold.server.errors import ModelNotFound, Unavailable, clip
 from sixfold.server.model.served import ServedModel
 from sixfold.server.protocol.shared_memory import SharedMemoryRegistry
 
@@ -101,10 +101,10 @@ class InferenceCore:
                 return newest
         versions = self.versions.get(name)
         if not versions:
-            raise ModelNotFound(f"unknown model '{name}'; serving: {sorted(self.versions)}")
+            raise ModelNotFound(f"unknown model '{clip(name)}'; serving: {sorted(self.versions)}")
         model = versions.get(version)
         if model is None:
-            raise ModelNotFound(f"model '{name}' has no version '{version}'; "
+            raise ModelNotFound(f"model '{clip(name)}' has no version '{clip(version)}'; "
                                 f"versions: {sorted(versions, key=_version_key)}")
         return model
 

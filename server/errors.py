@@ -4,8 +4,30 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["ServingError", "InvalidInput", "ModelNotFound", "Unavailable", "Overloaded", "DeadlineExceeded", "InternalError",
+__all__ = ["clip", "clip_names", "ServingError", "InvalidInput", "ModelNotFound", "Unavailable", "Overloaded", "DeadlineExceeded", "InternalError",
            "Unauthenticated"]
+
+
+CLIP_CHARS = 256
+"""At most this many characters of a client's string are echoed in an error message."""
+
+
+def clip(text: object, limit: int = CLIP_CHARS) -> str:
+    """A client's string (a name, a key, a value's repr) for an error message: at most ``limit``
+    characters, else its start, an ellipsis and its full length. A 100,000-character model name
+    must come back as the real error, not as a status message too large for gRPC's trailers."""
+    text = text if isinstance(text, str) else str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clip_names(names: object, most: int = 8) -> str:
+    """Client-given names as a list for an error message: each clipped, at most ``most`` of them."""
+    names = list(names)  # type: ignore[call-overload]
+    shown = ", ".join(repr(clip(n)) for n in names[:most])
+    more = f", ... ({len(names)} in all)" if len(names) > most else ""
+    return f"[{shown}{more}]"
 
 
 class ServingError(Exception):

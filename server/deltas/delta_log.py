@@ -50,7 +50,7 @@ import numpy as np
 from sixfold.backends.os_threads import start_worker_thread
 from sixfold.partitioner.tables.deltas import DELTA_FILE, Delta, DeltaError, read_delta, version_fingerprint
 
-from sixfold.server.errors import InvalidInput, ModelNotFound, ServingError
+from sixfold.server.errors import InvalidInput, ModelNotFound, ServingError, clip, clip_names
 
 __all__ = ["DeltaLog", "DeltaRejected", "DeltaOutOfOrder", "attach", "DeltaWatcher", "delta_request",
            "LOG_DIR", "STATE_FILE", "SEQUENCE_PARAMETER"]
@@ -403,7 +403,7 @@ def delta_request(parameters: Mapping[str, Any]) -> tuple[str, Any] | None:
         try:
             data = json.loads(config if isinstance(config, str) else bytes(config).decode())
         except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"RepositoryModelLoad: parameter 'config' is not JSON ({exc})") from None
+            raise InvalidInput(f"RepositoryModelLoad: parameter 'config' is not JSON ({clip(str(exc))})") from None
         for key, value in ((data or {}).get("parameters") or {}).items():
             params.setdefault(key, value.get("string_value") if isinstance(value, dict) else value)
     files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
@@ -414,12 +414,12 @@ def delta_request(parameters: Mapping[str, Any]) -> tuple[str, Any] | None:
         return "apply", str(params[DELTA_PATH])
     if files:
         if DELTA_FILE not in files:
-            raise InvalidInput(f"RepositoryModelLoad: uploaded files {sorted(files)} hold no '{DELTA_FILE}' "
+            raise InvalidInput(f"RepositoryModelLoad: uploaded files {clip_names(sorted(files))} hold no '{DELTA_FILE}' "
                                "(sixfold takes uploaded files as a table delta only)")
         return "upload", files
     unknown = sorted(k for k in params if k.startswith("sixfold.delta"))
     if unknown:
-        raise InvalidInput(f"RepositoryModelLoad: unknown delta parameter(s) {unknown}; known: {DELTA_PATH}, "
+        raise InvalidInput(f"RepositoryModelLoad: unknown delta parameter(s) {clip_names(unknown)}; known: {DELTA_PATH}, "
                            f"{DELTA_ROLLBACK}, file:<name>")
     return None
 
@@ -438,7 +438,7 @@ async def serve_request(core: Any, name: str, request: tuple[str, Any]) -> dict[
     with tempfile.TemporaryDirectory(prefix="sixfold-delta-") as tmp:
         for file, content in arg.items():
             if "/" in file or file.startswith(".") or not file:
-                raise InvalidInput(f"RepositoryModelLoad: uploaded file name {file!r} must be a plain file name")
+                raise InvalidInput(f"RepositoryModelLoad: uploaded file name {clip(repr(file))} must be a plain file name")
             data = content if isinstance(content, (bytes, bytearray)) else base64.b64decode(content)
             Path(tmp, file).write_bytes(data)
         return await apply(core, name, tmp)

@@ -15,7 +15,7 @@ from sixfold.models.signature import INDICES
 from sixfold.partitioner.plan import PartitionPlan
 
 from sixfold.server.scheduling.batcher import BatchInfo, DynamicBatcher
-from sixfold.server.errors import InvalidInput
+from sixfold.server.errors import InvalidInput, clip_names
 from sixfold.server.observability.metrics import ModelMetrics, ServerMetrics
 from sixfold.server.execution.runtime import PlanRuntime
 from sixfold.server.observability.stats import ModelStats
@@ -116,7 +116,7 @@ class ServedModel:
                     raise InvalidInput(why)
             unknown = sorted(set(requested) - set(self.output_names)) if requested else ()
             if unknown:
-                raise InvalidInput(f"unknown output(s) {unknown}; the model has {self.output_names}")
+                raise InvalidInput(f"unknown output(s) {clip_names(unknown)}; the model has {self.output_names}")
             if rows == 0:
                 outputs = {t.name: np.zeros((0, *t.shape[1:]), dtype=np.float32) for t in self.plan.outputs}
                 info = BatchInfo()

@@ -16,7 +16,7 @@ import numpy as np
 from sixfold.models.signature import DENSE, INDICES, LENGTHS
 
 from sixfold.server.protocol.codec import DTYPES
-from sixfold.server.errors import InvalidInput
+from sixfold.server.errors import InvalidInput, clip_names
 
 __all__ = ["InputSpec", "validate_request"]
 
@@ -52,7 +52,7 @@ def _check_names(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> N
     known = {s.name for s in specs}
     unknown = sorted(set(inputs) - known)
     if unknown:
-        raise InvalidInput(f"unknown input(s) {unknown}; the model takes {sorted(known)}")
+        raise InvalidInput(f"unknown input(s) {clip_names(unknown)}; the model takes {sorted(known)}")
     for spec in specs:
         if spec.name not in inputs:
             raise InvalidInput(f"missing input '{spec.name}' ({spec.datatype} {list(spec.shape)})")

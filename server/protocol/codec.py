@@ -12,12 +12,12 @@ from collections.abc import Mapping
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from sixfold.server.errors import InvalidInput
+from sixfold.server.errors import InvalidInput, clip
 from sixfold.server.protocol.shared_memory import (SharedMemoryRef, SharedMemoryRegistry, check_output_region, tensor_from_region,
                             write_output)
 
 __all__ = ["DTYPES", "decode_inputs", "requested_outputs", "request_timeout", "request_priority", "encode_response",
-           "datatype_of", "shared_memory_ref", "output_regions"]
+           "datatype_of", "shared_memory_ref", "output_regions", "MAX_TENSOR_ELEMENTS", "MAX_DIMS", "check_shape"]
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -26,6 +26,12 @@ DTYPES: dict[str, np.dtype] = {
     "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+MAX_TENSOR_ELEMENTS = 1 << 31
+"""Most elements one input tensor may declare (zero dimensions counted as 1, so that numpy can still
+make the empty array): a shape past it is refused, naming the input and the limit, before anything
+is allocated or viewed."""
+MAX_DIMS = 32
+"""Most dimensions one input tensor may declare (numpy's own limit is 64)."""
 # Which typed-contents field carries each datatype (KServe v2 protocol).
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -42,17 +48,32 @@ def datatype_of(array: np.ndarray) -> str:
         raise InvalidInput(f"unsupported output dtype {array.dtype}") from None
 
 
+def check_shape(shape, what: str) -> None:
+    """Refuse a declared shape (a sequence of Python ints) with a negative dimension, too many
+    dimensions, or more than MAX_TENSOR_ELEMENTS elements: before anything is allocated, and
+    without overflow (Python ints)."""
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"{what}: shape has {len(shape)} dimensions, over the limit of {MAX_DIMS}")
+    if shape and min(shape) < 0:
+        raise InvalidInput(f"{what}: shape {clip(list(shape))} has a negative dimension")
+    count = 1
+    for d in shape:
+        count *= max(d, 1)
+        if count > MAX_TENSOR_ELEMENTS:
+            raise InvalidInput(f"{what}: shape {clip(list(shape))} declares more than the limit of "
+                               f"{MAX_TENSOR_ELEMENTS} elements per tensor")
+
+
 def _shape(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> tuple[int, ...]:
     shape = tuple(tensor.shape)
-    if shape and min(shape) < 0:
-        raise InvalidInput(f"input '{tensor.name}': shape {list(shape)} has a negative dimension")
+    check_shape(shape, f"input '{clip(tensor.name)}'")
     return shape
 
 
 def _dtype(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> np.dtype:
     dtype = DTYPES.get(tensor.datatype)
     if dtype is None:
-        raise InvalidInput(f"input '{tensor.name}': unsupported datatype '{tensor.datatype}'; "
+        raise InvalidInput(f"input '{clip(tensor.name)}': unsupported datatype '{clip(tensor.datatype)}'; "
                            f"supported: {', '.join(DTYPES)}")
     return dtype
 
@@ -62,7 +83,7 @@ def _from_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor, dtype
     field = _CONTENTS_FIELD.get(tensor.datatype)
     values = getattr(tensor.contents, field) if field else ()
     if len(values) != count:
-        raise InvalidInput(f"input '{tensor.name}': {len(values)} values in contents.{field or '?'} but "
+        raise InvalidInput(f"input '{clip(tensor.name)}': {len(values)} values in contents.{field or '?'} but "
                            f"shape {list(shape)} needs {count}")
     return np.asarray(values, dtype=dtype).reshape(shape)
 
@@ -72,7 +93,7 @@ def _param_int(parameters, key: str, what: str) -> int:
     which = param.WhichOneof("parameter_choice")
     value = getattr(param, which) if which else None
     if which not in ("int64_param", "uint64_param") or value < 0:
-        raise InvalidInput(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
+        raise InvalidInput(f"{what}: parameter '{key}' must be a non-negative integer, got {clip(repr(value))}")
     return int(value)
 
 
@@ -119,10 +140,10 @@ def _raw_mismatch(tensor: service_pb2.ModelInferRequest.InferInputTensor, name: 
                   shape: list[int], dtype: np.dtype, data: bytes) -> None:
     """Raise the InvalidInput that explains why a raw input cannot be viewed as its declared tensor."""
     if name in seen:
-        raise InvalidInput(f"input '{name}' appears twice")
-    _shape(tensor)  # raises for a negative dimension
+        raise InvalidInput(f"input '{clip(name)}' appears twice")
+    _shape(tensor)  # raises for a negative dimension or a shape past the limits
     need = math.prod(shape) * dtype.itemsize
-    raise InvalidInput(f"input '{name}': raw contents have {len(data)} bytes but shape "
+    raise InvalidInput(f"input '{clip(name)}': raw contents have {len(data)} bytes but shape "
                        f"{list(shape)} of {tensor.datatype} needs {need}")
 
 
@@ -134,10 +155,10 @@ def _decode_mixed(tensors, raw, shared_memory: SharedMemoryRegistry | None) -> d
     for tensor in tensors:
         name = tensor.name
         if name in arrays:
-            raise InvalidInput(f"input '{name}' appears twice")
+            raise InvalidInput(f"input '{clip(name)}' appears twice")
         dtype = DTYPES.get(tensor.datatype) or _dtype(tensor)
         shape = _shape(tensor)
-        what = f"input '{name}'"
+        what = f"input '{clip(name)}'"
         ref = shared_memory_ref(tensor.parameters, what)
         if ref is not None:
             if tensor.HasField("contents"):
@@ -169,7 +190,7 @@ def output_regions(request: service_pb2.ModelInferRequest,
         parameters = output.parameters
         if not parameters:  # NOTE: nearly every request: one length read, no map lookup
             continue
-        what = f"output '{output.name}'"
+        what = f"output '{clip(output.name)}'"
         ref = shared_memory_ref(parameters, what)
         if ref is None:
             continue
@@ -195,7 +216,8 @@ def request_timeout(request: service_pb2.ModelInferRequest, context: object = No
         which = param.WhichOneof("parameter_choice")
         value = getattr(param, which) if which else None
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidInput(f"parameter 'timeout' must be a non-negative integer (microseconds), got {value!r}")
+            raise InvalidInput(f"parameter 'timeout' must be a non-negative integer (microseconds), "
+                               f"got {clip(repr(value))}")
         if value and (limit is None or value / 1e6 < limit):
             limit = value / 1e6
     return limit

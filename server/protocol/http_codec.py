@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from sixfold.server.protocol.codec import DTYPES, datatype_of
-from sixfold.server.errors import InvalidInput
+from sixfold.server.protocol.codec import DTYPES, check_shape, datatype_of
+from sixfold.server.errors import InvalidInput, clip
 from sixfold.server.protocol.shared_memory import (SharedMemoryRef, SharedMemoryRegistry, check_output_region, tensor_from_region,
                             write_output)
 
@@ -55,9 +55,28 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def _kind(value: Any) -> str:
+    """What a JSON value is, in words, for "expected ..., got <kind>" messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({clip(repr(value), 40)})"
+    if isinstance(value, str):
+        return f"a string ({clip(repr(value), 40)})"
+    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+
+
 def _object(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
-        raise InvalidInput(f"{where} must be a JSON object, got {type(value).__name__}")
+        raise InvalidInput(f"{where}: expected a JSON object, got {_kind(value)}")
+    return value
+
+
+def _string(value: Any, where: str, example: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidInput(f"{where}: expected a string such as {example}, got {_kind(value)}")
     return value
 
 
@@ -69,13 +88,13 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
         try:
             json_end = int(header_length)
         except ValueError:
-            raise InvalidInput(f"header {HEADER_LENGTH} must be an integer, got {header_length!r}") from None
+            raise InvalidInput(f"header {HEADER_LENGTH} must be an integer, got {clip(repr(header_length))}") from None
         if not 0 <= json_end <= len(body):
             raise InvalidInput(f"header {HEADER_LENGTH} is {json_end} but the body has {len(body)} bytes")
     try:
         header = json.loads(memoryview(body)[:json_end].tobytes() if json_end < len(body) else body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+        raise InvalidInput(f"request body is not valid JSON: {clip(str(exc))}") from None
     except RecursionError:
         raise InvalidInput("request body is not valid JSON: nested too deeply") from None
     return _object(header, "request body"), memoryview(body)[json_end:]
@@ -86,34 +105,42 @@ def _int_parameter(parameters: Mapping[str, Any], name: str, meaning: str) -> in
         return None
     value = parameters[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidInput(f"parameter '{name}' must be a non-negative integer ({meaning}), got {value!r}")
+        raise InvalidInput(f"parameter '{name}' must be a non-negative integer ({meaning}), got {_kind(value)}")
     return value
 
 
-def _shape(tensor: dict, name: str) -> list[int]:
-    shape = tensor.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise InvalidInput(f"input '{name}': 'shape' must be a list of integers, got {shape!r}")
-    if shape and min(shape) < 0:
-        raise InvalidInput(f"input '{name}': shape {shape} has a negative dimension")
+def _shape(tensor: dict, where: str, name: str) -> list[int]:
+    """The input's shape: a list of non-negative integers within codec.check_shape's limits."""
+    if "shape" not in tensor:
+        raise InvalidInput(f"{where}.shape: missing; expected a list of integers such as [2, 13]")
+    shape = tensor["shape"]
+    if not isinstance(shape, list):
+        raise InvalidInput(f"{where}.shape: expected a list of integers such as [2, 13], got {_kind(shape)}")
+    for k, d in enumerate(shape):
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise InvalidInput(f"{where}.shape[{k}]: expected an integer, got {_kind(d)}")
+    check_shape(shape, f"input '{clip(name)}'")
     return shape
 
 
-def _from_json(name: str, datatype: str, dtype: np.dtype, shape: list[int], data: Any) -> np.ndarray:
+def _from_json(name: str, where: str, datatype: str, dtype: np.dtype, shape: list[int], data: Any) -> np.ndarray:
+    name = clip(name)
     if not isinstance(data, list):
-        raise InvalidInput(f"input '{name}': 'data' must be a JSON list, got {type(data).__name__}")
+        raise InvalidInput(f"{where}.data (input '{name}'): expected a JSON list of values, got {_kind(data)}")
     count = math.prod(shape)
     try:
         parsed = np.asarray(data)
-    except ValueError:  # ragged nesting
-        raise InvalidInput(f"input '{name}': 'data' is a ragged nested list") from None
+    except ValueError:  # ragged nesting, or nested deeper than numpy's dimension limit
+        raise InvalidInput(f"input '{name}': 'data' is a ragged nested list (or nested too deeply)") from None
+    except (TypeError, OverflowError, RecursionError) as exc:
+        raise InvalidInput(f"input '{name}': 'data' is not a list of {datatype} values: {clip(str(exc))}") from None
     if parsed.size != count:
         raise InvalidInput(f"input '{name}': {parsed.size} values in 'data' but shape {shape} needs {count}")
     if count == 0:
         return np.zeros(shape, dtype)
     if parsed.dtype.kind not in _KINDS.get(dtype.kind, ""):
         what = _KIND_WORDS.get(parsed.dtype.kind, "mixed or out-of-range values")
-        raise InvalidInput(f"input '{name}': 'data' holds {what} (first: {parsed.ravel()[:3].tolist()}), "
+        raise InvalidInput(f"input '{name}': 'data' holds {what} (first: {clip(parsed.ravel()[:3].tolist())}), "
                            f"which {datatype} cannot hold")
     if dtype.kind in "iu" and parsed.dtype != dtype:
         info = np.iinfo(dtype)
@@ -130,7 +157,7 @@ def _shared_memory_ref(parameters: Mapping[str, Any], what: str) -> SharedMemory
         return None
     region = parameters["shared_memory_region"]
     if not isinstance(region, str) or not region:
-        raise InvalidInput(f"{what}: parameter 'shared_memory_region' must be a region name, got {region!r}")
+        raise InvalidInput(f"{what}: parameter 'shared_memory_region' must be a region name, got {_kind(region)}")
     byte_size = _int_parameter(parameters, "shared_memory_byte_size", "bytes in the region")
     if byte_size is None:
         raise InvalidInput(f"{what}: parameter 'shared_memory_byte_size' is missing beside 'shared_memory_region'")
@@ -141,38 +168,38 @@ def _inputs(header: dict, binary: memoryview,
             shared_memory: SharedMemoryRegistry | None) -> dict[str, np.ndarray]:
     tensors = header.get("inputs")
     if not isinstance(tensors, list) or not tensors:
-        raise InvalidInput("request body: 'inputs' must be a non-empty list of tensors")
+        raise InvalidInput(f"request body: 'inputs' must be a non-empty list of tensors, got {_kind(tensors)}")
     arrays: dict[str, np.ndarray] = {}
     offset = 0
     for i, tensor in enumerate(tensors):
-        tensor = _object(tensor, f"inputs[{i}]")
-        name = tensor.get("name")
-        if not isinstance(name, str):
-            raise InvalidInput(f"inputs[{i}]: 'name' must be a string, got {name!r}")
+        where = f"inputs[{i}]"
+        tensor = _object(tensor, where)
+        name = _string(tensor.get("name"), f"{where}.name", '"dense_features"')
         if name in arrays:
-            raise InvalidInput(f"input '{name}' appears twice")
-        datatype = tensor.get("datatype")
-        dtype = DTYPES.get(datatype)  # type: ignore[arg-type]
+            raise InvalidInput(f"input '{clip(name)}' appears twice")
+        datatype = _string(tensor.get("datatype"), f"{where}.datatype", '"FP32"')
+        dtype = DTYPES.get(datatype)
         if dtype is None:
-            raise InvalidInput(f"input '{name}': unsupported datatype '{datatype}'; supported: {', '.join(DTYPES)}")
-        shape = _shape(tensor, name)
-        parameters = _object(tensor.get("parameters", {}), f"input '{name}': 'parameters'")
-        ref = _shared_memory_ref(parameters, f"input '{name}'")
+            raise InvalidInput(f"input '{clip(name)}': unsupported datatype '{clip(datatype)}'; "
+                               f"supported: {', '.join(DTYPES)}")
+        shape = _shape(tensor, where, name)
+        parameters = _object(tensor.get("parameters", {}), f"{where}.parameters")
+        ref = _shared_memory_ref(parameters, f"input '{clip(name)}'")
         if ref is not None:
-            arrays[name] = tensor_from_region(shared_memory, ref, dtype, shape, datatype, f"input '{name}'")
+            arrays[name] = tensor_from_region(shared_memory, ref, dtype, shape, datatype, f"input '{clip(name)}'")
             continue
         size = _int_parameter(parameters, "binary_data_size", "bytes of binary data")
         if size is None:
             if "data" not in tensor:
-                raise InvalidInput(f"input '{name}': needs 'data' or parameters.binary_data_size")
-            arrays[name] = _from_json(name, datatype, dtype, shape, tensor["data"])
+                raise InvalidInput(f"input '{clip(name)}': needs 'data' or parameters.binary_data_size")
+            arrays[name] = _from_json(name, where, datatype, dtype, shape, tensor["data"])
             continue
         if offset + size > len(binary):
-            raise InvalidInput(f"input '{name}': binary_data_size {size} at offset {offset} runs past the "
+            raise InvalidInput(f"input '{clip(name)}': binary_data_size {size} at offset {offset} runs past the "
                                f"{len(binary)} bytes of binary data after the JSON header")
         need = math.prod(shape) * dtype.itemsize
         if size != need:
-            raise InvalidInput(f"input '{name}': binary_data_size is {size} bytes but shape {shape} of "
+            raise InvalidInput(f"input '{clip(name)}': binary_data_size is {size} bytes but shape {shape} of "
                                f"{datatype} needs {need}")
         arrays[name] = np.frombuffer(binary[offset:offset + size], dtype).reshape(shape)
         offset += size
@@ -188,23 +215,21 @@ def _outputs(header: dict, binary_default: bool, shared_memory: SharedMemoryRegi
     if outputs is None:
         return [], binary_default, None
     if not isinstance(outputs, list):
-        raise InvalidInput(f"request body: 'outputs' must be a list, got {type(outputs).__name__}")
+        raise InvalidInput(f"request body: 'outputs' must be a list, got {_kind(outputs)}")
     names: list[str] = []
     binary: set[str] = set()
     regions: dict[str, SharedMemoryRef] = {}
     for i, output in enumerate(outputs):
         output = _object(output, f"outputs[{i}]")
-        name = output.get("name")
-        if not isinstance(name, str):
-            raise InvalidInput(f"outputs[{i}]: 'name' must be a string, got {name!r}")
-        parameters = _object(output.get("parameters", {}), f"output '{name}': 'parameters'")
-        ref = _shared_memory_ref(parameters, f"output '{name}'")
+        name = _string(output.get("name"), f"outputs[{i}].name", '"scores"')
+        parameters = _object(output.get("parameters", {}), f"outputs[{i}].parameters")
+        ref = _shared_memory_ref(parameters, f"output '{clip(name)}'")
         if ref is not None:
-            check_output_region(shared_memory, ref, f"output '{name}'")
+            check_output_region(shared_memory, ref, f"output '{clip(name)}'")
             regions[name] = ref
         wanted = parameters.get("binary_data", binary_default)
         if not isinstance(wanted, bool):
-            raise InvalidInput(f"output '{name}': parameter 'binary_data' must be true or false, got {wanted!r}")
+            raise InvalidInput(f"outputs[{i}].parameters.binary_data: expected true or false, got {_kind(wanted)}")
         names.append(name)
         if wanted:
             binary.add(name)
@@ -216,13 +241,13 @@ def decode_request(body: bytes, header_length: str | None = None,
     """Parse an infer request body (``header_length``: the Inference-Header-Content-Length value;
     ``shared_memory``: the server's regions, None to refuse tensors in shared memory)."""
     header, binary = _header(body, header_length)
-    parameters = _object(header.get("parameters", {}), "request 'parameters'")
+    parameters = _object(header.get("parameters", {}), "parameters")
     binary_default = parameters.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
-        raise InvalidInput(f"parameter 'binary_data_output' must be true or false, got {binary_default!r}")
+        raise InvalidInput(f"parameters.binary_data_output: expected true or false, got {_kind(binary_default)}")
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
-        raise InvalidInput(f"request 'id' must be a string, got {request_id!r}")
+        raise InvalidInput(f"id: expected a string, got {_kind(request_id)}")
     timeout_us = _int_parameter(parameters, "timeout", "microseconds")
     priority = _int_parameter(parameters, "priority", "1 = highest level, 0 = default level")
     requested, binary_outputs, regions = _outputs(header, binary_default, shared_memory)

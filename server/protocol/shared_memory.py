@@ -45,7 +45,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from sixfold.server.errors import InvalidInput, Overloaded, Unavailable
+from sixfold.server.errors import InvalidInput, Overloaded, Unavailable, clip
 
 __all__ = ["RegionStatus", "SharedMemoryRegistry", "RegionExists", "RegionNotFound", "NotLocal", "TooManyRegions",
            "SHM_ROOT", "MAX_REGIONS", "MAX_REGION_BYTES",
@@ -139,7 +139,7 @@ class _Region:
 
 def _check_int(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidInput(f"{what} must be a non-negative integer, got {value!r}")
+        raise InvalidInput(f"{what} must be a non-negative integer, got {clip(repr(value))}")
     return value
 
 
@@ -165,7 +165,7 @@ class SharedMemoryRegistry:
         """The object's name in the shm directory: one component, never one that leads out of it."""
         name = key[1:] if key.startswith("/") else key
         if not name or "/" in name or ".." in name or name == "." or "\0" in name:
-            raise InvalidInput(f"shared memory key {key!r} must name a POSIX shared memory object "
+            raise InvalidInput(f"shared memory key {clip(repr(key))} must name a POSIX shared memory object "
                                "('/name', no other '/', no '..')")
         return name
 
@@ -179,21 +179,21 @@ class SharedMemoryRegistry:
                 fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY,
                              dir_fd=dir_fd)
             except FileNotFoundError:
-                raise InvalidInput(f"region '{region}': no shared memory object with key {key!r} "
+                raise InvalidInput(f"region '{clip(region)}': no shared memory object with key {clip(repr(key))} "
                                    f"({path} does not exist)") from None
             except OSError as exc:
                 if os.path.islink(path):  # ELOOP from O_NOFOLLOW
-                    raise InvalidInput(f"region '{region}': shared memory key {key!r} is a symbolic link "
+                    raise InvalidInput(f"region '{clip(region)}': shared memory key {clip(repr(key))} is a symbolic link "
                                        f"({path}); only regular shared memory objects are mapped") from None
-                raise InvalidInput(f"region '{region}': cannot open shared memory key {key!r}: "
+                raise InvalidInput(f"region '{clip(region)}': cannot open shared memory key {clip(repr(key))}: "
                                    f"{exc.strerror}") from None
             try:
                 info, root_info = os.fstat(fd), os.fstat(dir_fd)
                 if not stat.S_ISREG(info.st_mode):
-                    raise InvalidInput(f"region '{region}': shared memory key {key!r} is not a regular shared "
+                    raise InvalidInput(f"region '{clip(region)}': shared memory key {clip(repr(key))} is not a regular shared "
                                        f"memory object ({path})")
                 if info.st_dev != root_info.st_dev:
-                    raise InvalidInput(f"region '{region}': shared memory key {key!r} is not on the shared memory "
+                    raise InvalidInput(f"region '{clip(region)}': shared memory key {clip(repr(key))} is not on the shared memory "
                                        f"filesystem of {self.root}")
             except BaseException:
                 os.close(fd)
@@ -207,31 +207,31 @@ class SharedMemoryRegistry:
         if not name:
             raise InvalidInput("shared memory region name is empty")
         if name in self._regions:
-            raise RegionExists(f"shared memory region '{name}' is already registered "
-                               f"(key {self._regions[name].status.key!r}); unregister it first")
-        offset = _check_int(offset, f"region '{name}': offset")
-        byte_size = _check_int(byte_size, f"region '{name}': byte_size")
+            raise RegionExists(f"shared memory region '{clip(name)}' is already registered "
+                               f"(key {clip(repr(self._regions[name].status.key))}); unregister it first")
+        offset = _check_int(offset, f"region '{clip(name)}': offset")
+        byte_size = _check_int(byte_size, f"region '{clip(name)}': byte_size")
         if byte_size == 0:
-            raise InvalidInput(f"region '{name}': byte_size is 0")
+            raise InvalidInput(f"region '{clip(name)}': byte_size is 0")
         object_name = self._name(key)
         if len(self._regions) >= self.max_regions:
-            raise TooManyRegions(f"region '{name}': {len(self._regions)} shared memory regions are registered, "
+            raise TooManyRegions(f"region '{clip(name)}': {len(self._regions)} shared memory regions are registered, "
                                  f"the server's cap (max regions {self.max_regions}); unregister some first")
         mapped = self.mapped_bytes
         if mapped + offset + byte_size > self.max_bytes:
-            raise TooManyRegions(f"region '{name}': mapping offset {offset} + byte_size {byte_size} would take the "
+            raise TooManyRegions(f"region '{clip(name)}': mapping offset {offset} + byte_size {byte_size} would take the "
                                  f"registered shared memory from {mapped} to {mapped + offset + byte_size} bytes, "
                                  f"past the server's cap (max bytes {self.max_bytes}); unregister some first")
         fd = self._open(object_name, key, name)
         try:
             size = os.fstat(fd).st_size
             if offset + byte_size > size:
-                raise InvalidInput(f"region '{name}': offset {offset} + byte_size {byte_size} = "
-                                   f"{offset + byte_size} bytes, but shared memory key {key!r} holds {size}")
+                raise InvalidInput(f"region '{clip(name)}': offset {offset} + byte_size {byte_size} = "
+                                   f"{offset + byte_size} bytes, but shared memory key {clip(repr(key))} holds {size}")
             try:
                 mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:
-                raise InvalidInput(f"region '{name}': cannot map shared memory key {key!r}: {exc.strerror}") from None
+                raise InvalidInput(f"region '{clip(name)}': cannot map shared memory key {clip(repr(key))}: {exc.strerror}") from None
         finally:
             os.close(fd)  # the mapping keeps the pages (and, in CPython, a dup of the descriptor)
         status = RegionStatus(name, key, offset, byte_size)
@@ -251,21 +251,21 @@ class SharedMemoryRegistry:
             return [r.status for r in self._regions.values()]
         region = self._regions.get(name)
         if region is None:
-            raise RegionNotFound(f"no shared memory region '{name}' is registered")
+            raise RegionNotFound(f"no shared memory region '{clip(name)}' is registered")
         return [region.status]
 
     def _slice(self, region_name: str, offset: int, byte_size: int, what: str) -> memoryview:
         region = self._regions.get(region_name)
         if region is None:
-            raise InvalidInput(f"{what}: no shared memory region '{region_name}' is registered")
+            raise InvalidInput(f"{what}: no shared memory region '{clip(region_name)}' is registered")
         status = region.status
         if offset + byte_size > status.byte_size:
             raise InvalidInput(f"{what}: offset {offset} + byte_size {byte_size} runs past shared memory region "
-                               f"'{region_name}' ({status.byte_size} bytes)")
+                               f"'{clip(region_name)}' ({status.byte_size} bytes)")
         # NOTE: mmap.size() is an fstat of the segment: a segment shrunk since it was registered
         # would fault the process on access (SIGBUS), so it fails the request instead.
         if region.map.size() < status.offset + offset + byte_size:
-            raise InvalidInput(f"{what}: shared memory key {status.key!r} of region '{region_name}' was "
+            raise InvalidInput(f"{what}: shared memory key {clip(repr(status.key))} of region '{clip(region_name)}' was "
                                f"shrunk to {region.map.size()} bytes after it was registered")
         return region.view[offset:offset + byte_size]
 
@@ -282,7 +282,7 @@ class SharedMemoryRegistry:
         """Copy ``data`` into the region (an output), refusing what does not fit ``byte_size``."""
         if len(data) > byte_size:
             raise InvalidInput(f"{what}: {len(data)} bytes do not fit the {byte_size} bytes given in "
-                               f"shared memory region '{region_name}'")
+                               f"shared memory region '{clip(region_name)}'")
         self._slice(region_name, offset, byte_size, what)[:len(data)] = data
 
 
