@@ -78,6 +78,12 @@ class _Output:
         else:
             print(f"sixfold-serve: {text}", file=sys.stderr, flush=True)
 
+    def warning(self, text: str) -> None:
+        if self.json:
+            emit(f"sixfold-serve: {text}", level="warning", logger=_LOGGER, stream="stderr", event="warning")
+        else:
+            print(f"sixfold-serve: warning: {text}", file=sys.stderr, flush=True)
+
     def status(self, text: str, event: str, **fields: Any):
         """A spinner while something slow runs (text on a terminal), or one JSON line saying it started."""
         if self.json:
@@ -184,14 +190,20 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", metavar="PEM",
                      help="PEM certificate chain: serve gRPC, REST and /metrics over TLS (with --tls-key)")
     sec.add_argument("--tls-key", metavar="PEM", help="PEM private key for --tls-cert")
-    sec.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
-                     help="bearer token model-control RPCs must carry (default: $SIXFOLD_CONTROL_TOKEN; unset: none)")
+    sec.add_argument("--control-token", default=None,
+                     help="bearer token model-control RPCs must carry; any local user can read it in the process "
+                          "list: prefer --control-token-file or $SIXFOLD_CONTROL_TOKEN (unset: none)")
+    sec.add_argument("--control-token-file", metavar="PATH",
+                     help="read --control-token from the first line of PATH (kept out of the process list)")
     sec.add_argument("--insecure-model-control", action="store_true",
                      help="allow --model-control-mode explicit without --control-token (any client may then load "
                           "and unload models); without it such a server refuses to start")
-    sec.add_argument("--metrics-token", default=os.environ.get("SIXFOLD_METRICS_TOKEN"),
-                     help="bearer token a /metrics scrape must carry (default: $SIXFOLD_METRICS_TOKEN; unset: "
-                          "none); with --tls-cert, /metrics is served over HTTPS either way")
+    sec.add_argument("--metrics-token", default=None,
+                     help="bearer token a /metrics scrape must carry (unset: none); any local user can read it in "
+                          "the process list: prefer --metrics-token-file or $SIXFOLD_METRICS_TOKEN; with "
+                          "--tls-cert, /metrics is served over HTTPS either way")
+    sec.add_argument("--metrics-token-file", metavar="PATH",
+                     help="read --metrics-token from the first line of PATH (kept out of the process list)")
     cards = p.add_argument_group("cards and placement")
     cards.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
     cards.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
@@ -324,6 +336,73 @@ def _default_card_spec(backend: str) -> str:
     return devices[0].name if devices else "m2-card"
 
 
+_TOKENS = (("control", "--control-token", "SIXFOLD_CONTROL_TOKEN"),
+           ("metrics", "--metrics-token", "SIXFOLD_METRICS_TOKEN"))
+
+
+def _resolve_tokens(args: argparse.Namespace) -> list[str]:
+    """Set ``args.control_token`` / ``args.metrics_token`` from the flag, its ``-file`` or the environment
+    (in that order); UsageError for a flag given with its file, or a file that gives no token. Returns
+    the warnings to log: one per token given in argv, which any local user can read in the process list."""
+    warnings = []
+    for kind, flag, env in _TOKENS:
+        direct, path = getattr(args, f"{kind}_token"), getattr(args, f"{kind}_token_file")
+        if direct is not None and path is not None:
+            raise UsageError(f"{flag} and {flag}-file both given: give one ({flag}-file keeps the token out of "
+                             "the process list)")
+        if path is not None:
+            token = _read_token_file(path, f"{flag}-file")
+        elif direct is not None:
+            token = direct
+            warnings.append(f"{flag} on the command line: any local user can read it in the process list "
+                            f"(ps, /proc/PID/cmdline); give {flag}-file PATH or ${env} instead")
+        else:
+            token = os.environ.get(env)
+        setattr(args, f"{kind}_token", token or None)
+    return warnings
+
+
+def _read_token_file(path: str, flag: str) -> str:
+    """The first line of ``path``, stripped; UsageError naming the flag if it is missing, unreadable or empty."""
+    what = "a file whose first line is the token"
+    check_input_file(path, flag, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag} {path}: could not read it ({error_text(exc)}); give {what}") from None
+    if not token:
+        raise UsageError(f"{flag} {path}: its first line is empty; give {what}")
+    return token
+
+
+_TOKEN_OPTIONS = ("--control-token", "--control-token-file", "--metrics-token", "--metrics-token-file")
+
+
+def _without_tokens(argv: list[str]) -> list[str]:
+    """``argv`` less its token options (and their values): what the --workers workers get, the tokens
+    going to them in their environment instead (``_token_env``), out of their process list."""
+    def is_token_option(key: str) -> bool:  # argparse takes a unique prefix: --control-token-f is the file
+        return key in _TOKEN_OPTIONS or any(o.endswith("-file") and o.startswith(key) and len(key) > len(o) - 5
+                                            for o in _TOKEN_OPTIONS)
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--") and is_token_option(arg.split("=", 1)[0]):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def _token_env(args: argparse.Namespace) -> dict[str, str | None]:
+    """The workers' token environment: each resolved token (None: unset it there)."""
+    return {env: getattr(args, f"{kind}_token") for kind, _, env in _TOKENS}
+
+
 def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
     """Every mistake that can be seen in a moment, before partitioning and loading (seconds to minutes):
     the flags that go together, the files, the backend, the specs, TLS, and the ports. UsageError (or
@@ -334,8 +413,8 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
     if args.model and args.cards < 1:
         raise UsageError(f"--cards {args.cards}: the dense partition needs at least 1 card")
     if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:
-        raise UsageError("--model-control-mode explicit lets clients load and unload models: give --control-token "
-                         "(or $SIXFOLD_CONTROL_TOKEN), or --insecure-model-control to allow it without a token")
+        raise UsageError("--model-control-mode explicit lets clients load and unload models: give --control-token-file "
+                         "PATH (or $SIXFOLD_CONTROL_TOKEN), or --insecure-model-control to allow it without a token")
     if args.model_repository:
         check_input_dir(args.model_repository, "--model-repository",
                         "the folder sixfold-partition --out wrote into (REPO/NAME/VERSION/plan.json)")
@@ -639,13 +718,15 @@ def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
                   "per version)")
         return 2
     try:
+        for warning in _resolve_tokens(args):
+            out.warning(warning)
         backend_options = _check_before_loading(args)
     except (UsageError, OSError) as exc:
         out.error(error_text(exc))
         return 2
     if args.workers > 1 and args.as_worker is None:
         from sixfold.server.workers.supervisor import serve_workers
-        return serve_workers(argv, args.workers, host=args.host,
+        return serve_workers(_without_tokens(argv), args.workers, env=_token_env(args), host=args.host,
                              grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_token=args.metrics_token or None,
                              print_line=out.supervisor_line)

@@ -12,22 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sixfold.server.core import InferenceCore
-from sixfold.server.errors import ModelNotFound, ServingError, Unavailable
+from sixfold.server.errors import InvalidInput, ModelNotFound, ServingError, Unavailable, clip_names
 from sixfold.server.memory.gc_pause import freeze_loaded_objects, thaw
 from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.repository import ModelRepository, RepositoryError
 from sixfold.server.model.warmup import warm_up
 
-__all__ = ["ModelControl", "ModelState", "LoadFn"]
+__all__ = ["ModelControl", "ModelState", "LoadFn", "check_change_parameters"]
 
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[ModelRepository, str, str], ServedModel]
 """(repository, name, version) -> a loaded, ready ServedModel. Runs in a worker thread."""
+
+
+def check_change_parameters(action: str, names: Iterable[str]) -> None:
+    """Refuse the parameters of a model load or unload that sixfold does not take (InvalidInput: 400 over
+    REST, INVALID_ARGUMENT over gRPC): a ``config`` or ``file:`` override above all, which Triton would
+    load instead of the repository's; one check for both transports, so neither ignores what the other
+    refuses. ``names``: the parameters left once a table delta (``sixfold.server.deltas``) is ruled out.
+    """
+    # NOTE: unload_dependents (tritonclient sends it) means nothing without ensembles.
+    unsupported = sorted(set(names) - ({"unload_dependents"} if action == "unload" else set()))
+    if unsupported:
+        raise InvalidInput(f"model {action}: 'parameters' {clip_names(unsupported)} are not supported (no config or file "
+                           "overrides); sixfold loads what the repository holds")
 
 
 @dataclass

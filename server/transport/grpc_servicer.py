@@ -22,9 +22,10 @@ from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.protocol.codec import (decode_inputs, encode_response, output_regions, request_priority, request_timeout,
                     requested_outputs)
 from sixfold.server.core import InferenceCore
-from sixfold.server.errors import InvalidInput, ServingError, Unauthenticated, Unavailable
+from sixfold.server.errors import InvalidInput, ServingError, Unauthenticated, Unavailable, clip
 from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.model_config import to_model_config
+from sixfold.server.loading.model_control import check_change_parameters
 from sixfold.server.protocol.shared_memory import check_local_peer, enabled, grpc_peer_host
 from sixfold.server.workers.siblings import from_sibling
 
@@ -32,6 +33,9 @@ __all__ = ["InferenceServicer"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_MESSAGE_CHARS = 2048
+"""Backstop: a status message past gRPC's metadata limit (8 KiB) reaches the client as
+RESOURCE_EXHAUSTED instead of the error; client strings inside are clipped to 256 already."""
 
 
 def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -41,10 +45,10 @@ def _grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable
         try:
             return await method(self, request, context)
         except ServingError as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, clip(exc.message, _MESSAGE_CHARS))
         except Exception as exc:  # noqa: BLE001 - last resort: the client still gets an answer
             log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, clip(f"{type(exc).__name__}: {exc}", _MESSAGE_CHARS))
         finally:
             self.core.rpc_finished()
         raise AssertionError("unreachable")  # abort always raises
@@ -166,6 +170,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if delta is not None:  # a table delta or its rollback (sixfold.server.deltas.delta_log, docs/deltas.md)
             await deltas.serve_request(self.core, request.model_name, delta)
         else:
+            check_change_parameters("load", request.parameters)  # as REST: a config override is refused
             await control.load(request.model_name)
             await self._tell_siblings(context, "RepositoryModelLoad", request)
         return service_pb2.RepositoryModelLoadResponse()
@@ -174,7 +179,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request, context):
         if not request.model_name:
             raise InvalidInput("RepositoryModelUnload: model_name is empty")
-        await self._control(context, changes=True).unload(request.model_name)
+        control = self._control(context, changes=True)
+        check_change_parameters("unload", request.parameters)
+        await control.unload(request.model_name)
         await self._tell_siblings(context, "RepositoryModelUnload", request)
         return service_pb2.RepositoryModelUnloadResponse()
 
@@ -236,7 +243,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             except Exception as exc:  # noqa: BLE001 - every request gets an answer on the stream
                 if not isinstance(exc, ServingError):
                     log.exception("stream request %s failed", request.id)
-                message = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
+                message = clip(exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}",
+                               _MESSAGE_CHARS)
                 reply = service_pb2.ModelStreamInferResponse(
                     error_message=message, infer_response=service_pb2.ModelInferResponse(
                         model_name=request.model_name, model_version=request.model_version, id=request.id))

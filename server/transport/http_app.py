@@ -30,11 +30,12 @@ from sixfold import __version__
 from sixfold.server.deltas import delta_log as deltas
 from sixfold.server.core import InferenceCore
 from sixfold.server.errors import (DeadlineExceeded, InternalError, InvalidInput, ModelNotFound, Overloaded, ServingError,
-                     Unauthenticated, Unavailable)
+                     Unauthenticated, Unavailable, clip)
 from sixfold.server.protocol.http_codec import HEADER_LENGTH, decode_request, dumps, encode_response
 from sixfold.server.model.served import ServedModel
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.loading.model_config import to_model_config
+from sixfold.server.loading.model_control import check_change_parameters
 from sixfold.server.protocol.shared_memory import NotLocal, check_local_peer, enabled
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
@@ -280,7 +281,7 @@ class _Routes:
         body = await self._json_body(request)
         key = body.get("key")
         if not isinstance(key, str):
-            raise InvalidInput(f"register: 'key' must be a string, got {key!r}")
+            raise InvalidInput(f"register: 'key' must be a string, got {clip(repr(key))}")
         status = registry.register(request.path_params["region"], key, body.get("offset", 0), body.get("byte_size"))
         await self.core.tell_siblings("SystemSharedMemoryRegister", service_pb2.SystemSharedMemoryRegisterRequest(
             name=status.name, key=status.key, offset=status.offset, byte_size=status.byte_size))
@@ -314,11 +315,7 @@ class _Routes:
         delta = deltas.delta_request(parameters) if action == "load" else None
         if delta is not None:  # a table delta or its rollback (sixfold.server.deltas.delta_log, docs/deltas.md)
             return _json(await deltas.serve_request(self.core, name, delta))
-        # NOTE: unload_dependents (tritonclient sends it) means nothing without ensembles.
-        unsupported = sorted(set(parameters) - ({"unload_dependents"} if action == "unload" else set()))
-        if unsupported:
-            raise InvalidInput(f"model {action}: 'parameters' {unsupported} are not supported (no config or file "
-                               "overrides); sixfold loads what the repository holds")
+        check_change_parameters(action, parameters)
         if action == "load":
             await control.load(name)
             await self.core.tell_siblings("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name=name))
@@ -338,9 +335,17 @@ class _Routes:
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own answers (unknown path 404, wrong method 405) as JSON errors too."""
+    """Starlette's own answers (unknown path 404, wrong method 405) as JSON errors too; a 405
+    keeps its ``Allow`` header, the route's methods (RFC 9110 15.5.6)."""
     assert isinstance(exc, HTTPException)
-    return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
+    headers = dict(exc.headers or {})
+    route = request.scope.get("route")
+    methods = getattr(route, "methods", None)
+    if exc.status_code == 405 and methods:
+        headers["Allow"] = ", ".join(sorted(methods))
+    response = _error(f"{clip(request.method, 32)} {clip(request.url.path)}: {exc.detail}", exc.status_code)
+    response.headers.update(headers)
+    return response
 
 
 def build_app(core: InferenceCore, *, max_body_bytes: int = 1 << 30, control_token: str | None = None,

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from sixfold.server.workers.process import READY_PREFIX, ReadyProcess
@@ -80,11 +80,14 @@ def follow_supervisor() -> None:
 
 def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int, http_port: int,
                   metrics_port: int, tls_cert: str | None = None, tls_key: str | None = None,
-                  metrics_token: str | None = None, print_line: Callable[[str], None] = print) -> int:
+                  metrics_token: str | None = None, print_line: Callable[[str], None] = print,
+                  env: Mapping[str, str | None] | None = None) -> int:
     """Run ``count`` workers of ``sixfold-serve argv`` until SIGTERM/SIGINT or one of them exits; the exit code.
 
     ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free). The workers'
-    own /metrics pages are on loopback; this process serves them all on ``metrics_port``.
+    own /metrics pages are on loopback; this process serves them all on ``metrics_port``. ``env``: set
+    (None: unset) in the workers' environment, on top of this one's: secrets such as the tokens go there,
+    not in ``argv``, which every local user can read in the process list.
     """
     for port, what in ((grpc_port, "gRPC"), (http_port, "REST"), (metrics_port, "metrics")):
         busy = _busy(host, port)
@@ -93,7 +96,12 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
             return 2
     folder = Path(tempfile.mkdtemp(prefix="sixfold-workers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     base = [sys.executable, "-m", "sixfold.server.cli", *argv]
-    env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+    worker_env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+    for key, value in (env or {}).items():
+        if value is None:
+            worker_env.pop(key, None)
+        else:
+            worker_env[key] = value
     lock = threading.Lock()
     workers: list[ReadyProcess | None] = [None] * count
     stopping = threading.Event()
@@ -111,7 +119,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
         Ctrl-C reaches the supervisor alone, which stops the workers in order."""
         cmd = [*base, "--as-worker", f"{folder}:{index}:{count}", "--grpc-port", str(grpc),
                "--http-port", str(http), "--metrics-port", "-1" if metrics_port < 0 else "0"]
-        worker = ReadyProcess(cmd, env=env, echo=echo(index), start_new_session=True, timeout_s=0)
+        worker = ReadyProcess(cmd, env=worker_env, echo=echo(index), start_new_session=True, timeout_s=0)
         workers[index] = worker
         return worker
 

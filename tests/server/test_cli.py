@@ -234,3 +234,87 @@ def test_help_is_grouped_with_defaults() -> None:
         assert f"\n{group}\n" in text, group
     assert "(default 1024)" in text.replace("\n", " ").replace("  ", " ")  # --max-batch-rows: default shown
     assert "$SIXFOLD_CONTROL_TOKEN" in text and text.count("usage:") == 1 and len(text.splitlines()[0]) < 130
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_tokens_from_a_file_or_the_environment_stay_out_of_the_process_list(tmp_path) -> None:
+    base = [str(SERVE), "--model-repository", str(tmp_path / "absent"), "--model-control-mode", "explicit",
+            "--grpc-port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("SIXFOLD_CONTROL_TOKEN", "SIXFOLD_METRICS_TOKEN")}
+    good, empty = tmp_path / "token", tmp_path / "empty"
+    good.write_text("s3cret\n")
+    empty.write_text("\n")
+
+    def run(*extra: str, **more: str) -> subprocess.CompletedProcess:
+        return subprocess.run(base + list(extra), capture_output=True, text=True, timeout=120, env={**env, **more})
+
+    # a file, the environment: no warning; it gets as far as the repository, which this one lacks
+    for extra, more in (((f"--control-token-file={good}",), {}), ((), {"SIXFOLD_CONTROL_TOKEN": "s3cret"}),
+                        (("--control-token-file", str(good), "--metrics-token-file", str(good)), {})):
+        result = run(*extra, **more)
+        assert result.returncode == 2 and "absent" in result.stderr and "warning" not in result.stderr, result.stderr
+    # in argv: still works, with one warning that says why and what to use instead
+    result = run("--control-token", "s3cret", "--metrics-token", "m3trics")
+    assert result.returncode == 2 and "absent" in result.stderr, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 2, result.stderr
+    assert "--control-token on the command line" in warnings[0] and "process list" in warnings[0]
+    assert "--control-token-file PATH or $SIXFOLD_CONTROL_TOKEN" in warnings[0]
+    assert "--metrics-token-file PATH or $SIXFOLD_METRICS_TOKEN" in warnings[1]
+    # refused with one line, before the repository is looked at
+    for extra, why in (((f"--control-token-file={tmp_path / 'missing'}",), "--control-token-file .*missing: no such file"),
+                       (("--metrics-token-file", str(empty)), "--metrics-token-file .*empty: its first line is empty"),
+                       (("--metrics-token-file", str(tmp_path)), "--metrics-token-file .*: a folder, not a file"),
+                       (("--control-token", "x", "--control-token-file", str(good)),
+                        "--control-token and --control-token-file both given")):
+        result = run(*extra)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and "absent" not in result.stderr, result.stderr
+        import re
+        assert re.search(why, lines[0]), lines[0]
+
+
+def test_workers_get_the_tokens_in_their_environment_not_their_argv(tmp_path) -> None:
+    import urllib.request
+
+    from sixfold.partitioner.artifacts import write_artifacts
+    from sixfold.partitioner.compile import partition_builtin
+
+    write_artifacts(partition_builtin("rm1", max_rows=200, cards=1)[1], tmp_path / "repo" / "alpha" / "1")
+    token_file = tmp_path / "control-token"
+    token_file.write_text("c0ntrol-s3cret\nignored second line\n")
+    env = {**os.environ, "SIXFOLD_METRICS_TOKEN": "m3trics-s3cret"}
+    env.pop("SIXFOLD_CONTROL_TOKEN", None)
+    metrics_port = free_port()
+    serve = ServeProcess("--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit",
+                         "--control-token-file", str(token_file), "--backend", "onnxruntime", "--cards", "1",
+                         "--grpc-port", "0", "--metrics-port", str(metrics_port), "--workers", "2", env=env)
+    try:
+        assert serve.url, serve.output
+        pids = [serve.proc.pid] + [int(p) for p in __import__("re").findall(r"worker \d+ pid (\d+)", serve.output)]
+        assert len(pids) == 3, serve.output
+        for pid in pids:
+            cmdline = _cmdline(pid)
+            assert "s3cret" not in cmdline, cmdline
+        assert all("--control-token" not in _cmdline(pid) for pid in pids[1:])
+        assert "warning" not in serve.output
+        with tc.InferenceServerClient(serve.url) as client:
+            try:
+                client.load_model("alpha")
+                raise AssertionError("a load without the token was accepted")
+            except InferenceServerException as exc:
+                assert "UNAUTHENTICATED" in str(exc.status()), exc
+            auth = {"authorization": "Bearer c0ntrol-s3cret"}
+            for _ in range(4):  # each worker (SO_REUSEPORT spreads the connections) has the token
+                with tc.InferenceServerClient(serve.url) as fresh:
+                    fresh.load_model("alpha", headers=auth)
+            assert client.is_model_ready("alpha")
+        request = urllib.request.Request(f"http://127.0.0.1:{metrics_port}/metrics",
+                                         headers={"Authorization": "Bearer m3trics-s3cret"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+    finally:
+        serve.kill()

@@ -199,3 +199,40 @@ def test_stop_answers_every_rest_request_it_received(rm1) -> None:
         t.join(60)
     assert len(outcomes) == 10, outcomes
     assert set(outcomes) <= {"ok", "503"} and "ok" in outcomes, outcomes
+
+
+def test_grpc_refuses_a_config_override_on_load_as_rest_does(tmp_path, rm1) -> None:
+    """tritonclient's load_model(config=...) over gRPC: INVALID_ARGUMENT with REST's message (400 there)."""
+    import tritonclient.grpc as tg
+
+    from sixfold.partitioner.artifacts import write_artifacts
+
+    write_artifacts(rm1[1], tmp_path / "repo" / "alpha" / "1")
+    port = free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    serve = ServeProcess("--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit",
+                         "--control-token-file", str(token_file), "--backend", "onnxruntime", "--grpc-port", "0",
+                         "--metrics-port", "-1", "--http-port", str(port))
+    try:
+        assert serve.url, serve.output
+        auth = {"authorization": "Bearer s3cret"}
+        config = json.dumps({"max_batch_size": 8})
+        with tg.InferenceServerClient(serve.url) as client:
+            with pytest.raises(tg.InferenceServerException) as grpc_caught:
+                client.load_model("alpha", headers=auth, config=config)
+            assert grpc_caught.value.status() == "StatusCode.INVALID_ARGUMENT", grpc_caught.value
+            assert not client.is_model_ready("alpha")
+        with http_client(f"127.0.0.1:{port}") as client:
+            with pytest.raises(th.InferenceServerException) as rest_caught:
+                client.load_model("alpha", headers=auth, config=config)
+            assert rest_caught.value.status() == "400"
+        assert "'parameters' ['config'] are not supported" in grpc_caught.value.message()
+        assert grpc_caught.value.message() == rest_caught.value.message()
+        with tg.InferenceServerClient(serve.url) as client:
+            client.load_model("alpha", headers=auth)  # without the override it loads
+            assert client.is_model_ready("alpha")
+            client.unload_model("alpha", headers=auth)  # tritonclient's unload_dependents is taken, as over REST
+            assert not client.is_model_ready("alpha")
+    finally:
+        assert serve.stop() == 0
