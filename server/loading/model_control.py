@@ -11,23 +11,42 @@ model never touches another's queue.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sixfold.server.core import InferenceCore
-from sixfold.server.errors import InvalidInput, ModelNotFound, ServingError, Unavailable, clip_names
+from sixfold.server.errors import (InvalidInput, ModelNotFound, ServingError, Unauthenticated, Unavailable,
+                                   clip_names)
 from sixfold.server.memory.gc_pause import freeze_loaded_objects, thaw
 from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.repository import ModelRepository, RepositoryError
 from sixfold.server.model.warmup import warm_up
 
-__all__ = ["ModelControl", "ModelState", "LoadFn", "check_change_parameters"]
+__all__ = ["ModelControl", "ModelState", "LoadFn", "check_change_parameters", "authorized_control"]
 
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[ModelRepository, str, str], ServedModel]
 """(repository, name, version) -> a loaded, ready ServedModel. Runs in a worker thread."""
+
+
+def authorized_control(core: InferenceCore, authorization: str, token: str | None, *,
+                       changes: bool) -> "ModelControl":
+    """The core's ModelControl for a caller of either transport: model control must be on and, for a
+    change, explicit and (with a ``--control-token``) ``authorization`` must be ``Bearer <token>``."""
+    control = core.control
+    if control is None:
+        raise Unavailable("this server has no model repository (start sixfold-serve with --model-repository)")
+    if not changes:
+        return control
+    if not control.explicit:
+        raise Unavailable("model control is disabled; start sixfold-serve with --model-control-mode explicit")
+    if token is not None and not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+        raise Unauthenticated("model control needs the header 'authorization: Bearer <token>' "
+                              "with the server's --control-token")
+    return control
 
 
 def check_change_parameters(action: str, names: Iterable[str]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -22,10 +21,10 @@ from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.protocol.codec import (decode_inputs, encode_response, output_regions, request_priority, request_timeout,
                     requested_outputs)
 from sixfold.server.core import InferenceCore
-from sixfold.server.errors import InvalidInput, ServingError, Unauthenticated, Unavailable, clip
+from sixfold.server.errors import InvalidInput, ServingError, clip
 from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.model_config import to_model_config
-from sixfold.server.loading.model_control import check_change_parameters
+from sixfold.server.loading.model_control import authorized_control, check_change_parameters
 from sixfold.server.protocol.shared_memory import check_local_peer, enabled, grpc_peer_host
 from sixfold.server.workers.siblings import from_sibling
 
@@ -81,19 +80,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _control(self, context: grpc.aio.ServicerContext, *, changes: bool):
         """The ModelControl, after checking that model control is on and the caller may use it."""
-        control = self.core.control
-        if control is None:
-            raise Unavailable("this server has no model repository (start sixfold-serve with --model-repository)")
-        if not changes:
-            return control
-        if not control.explicit:
-            raise Unavailable("model control is disabled; start sixfold-serve with --model-control-mode explicit")
-        if self.control_token is not None:
-            given = dict(context.invocation_metadata() or ()).get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.control_token}".encode()):
-                raise Unauthenticated("model control needs the header 'authorization: Bearer <token>' "
-                                      "with the server's --control-token")
-        return control
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        return authorized_control(self.core, given, self.control_token, changes=changes)
 
     async def _tell_siblings(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> None:
         """A change this worker made, made in the other workers too (unless a sibling told it to this one)."""

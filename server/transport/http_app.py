@@ -10,7 +10,6 @@ Triton's do; tritonclient's ``is_*_ready`` only asks "200 or not".
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import logging
 import zlib
@@ -35,7 +34,7 @@ from sixfold.server.protocol.http_codec import HEADER_LENGTH, decode_request, du
 from sixfold.server.model.served import ServedModel
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.loading.model_config import to_model_config
-from sixfold.server.loading.model_control import check_change_parameters
+from sixfold.server.loading.model_control import authorized_control, check_change_parameters
 from sixfold.server.protocol.shared_memory import NotLocal, check_local_peer, enabled
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
@@ -243,19 +242,8 @@ class _Routes:
 
     def _control(self, request: Request, *, changes: bool):
         """The ModelControl, after the same checks as the gRPC servicer's (mode, bearer token)."""
-        control = self.core.control
-        if control is None:
-            raise Unavailable("this server has no model repository (start sixfold-serve with --model-repository)")
-        if not changes:
-            return control
-        if not control.explicit:
-            raise Unavailable("model control is disabled; start sixfold-serve with --model-control-mode explicit")
-        if self.control_token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.control_token}".encode()):
-                raise Unauthenticated("model control needs the header 'authorization: Bearer <token>' "
-                                      "with the server's --control-token")
-        return control
+        given = request.headers.get("authorization", "")
+        return authorized_control(self.core, given, self.control_token, changes=changes)
 
     async def _json_body(self, request: Request) -> dict:
         body = await self._body(request)

@@ -30,7 +30,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -87,13 +86,10 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
     ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free). The workers'
     own /metrics pages are on loopback; this process serves them all on ``metrics_port``. ``env``: set
     (None: unset) in the workers' environment, on top of this one's: secrets such as the tokens go there,
-    not in ``argv``, which every local user can read in the process list.
+    not in ``argv``, which every local user can read in the process list. The ports were checked by
+    sixfold-serve before it got here (``sixfold.server.app.check_ports``, a plain bind that also tells
+    apart another server holding a port the workers would join with SO_REUSEPORT).
     """
-    for port, what in ((grpc_port, "gRPC"), (http_port, "REST"), (metrics_port, "metrics")):
-        busy = _busy(host, port)
-        if busy:
-            _error(f"sixfold-serve: could not bind {host}:{port} for {what} ({busy}; is another server on it?)")
-            return 2
     folder = Path(tempfile.mkdtemp(prefix="sixfold-workers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     base = [sys.executable, "-m", "sixfold.server.cli", *argv]
     worker_env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
@@ -193,23 +189,6 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
 
 def _error(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def _busy(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be bound by a server of its own ("" if it can, or if the port is 0).
-
-    The workers bind with SO_REUSEPORT, which would also join a port that another server of the same
-    user holds with it (another sixfold of several workers): a plain bind first tells them apart.
-    """
-    if port <= 0:
-        return ""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((host, port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return ""
 
 
 def _wait_ready(worker: ReadyProcess, stopping: threading.Event) -> bool:
