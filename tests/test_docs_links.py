@@ -21,8 +21,8 @@ HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 HTML_ANCHOR = re.compile(r"<a\s+[^>]*(?:id|name)\s*=\s*[\"']([^\"']+)[\"']", re.I)
 
 
-def _prose_lines(text: str) -> list[str]:
-    """The page's lines outside fenced code blocks, inline code removed."""
+def _outside_fences(text: str) -> list[str]:
+    """The page's lines outside fenced code blocks."""
     lines, fence = [], None
     for line in text.splitlines():
         m = FENCE.match(line)
@@ -33,8 +33,13 @@ def _prose_lines(text: str) -> list[str]:
             if line.strip().startswith(fence):
                 fence = None
             continue
-        lines.append(INLINE_CODE.sub("", line))
+        lines.append(line)
     return lines
+
+
+def _prose_lines(text: str) -> list[str]:
+    """The page's lines outside fenced code blocks, inline code removed."""
+    return [INLINE_CODE.sub("", line) for line in _outside_fences(text)]
 
 
 def slug(heading: str) -> str:
@@ -50,16 +55,7 @@ def anchors(page: Path) -> set[str]:
     """Every anchor a link may name on ``page``."""
     found: set[str] = set()
     seen: dict[str, int] = {}
-    fence = None
-    for line in page.read_text().splitlines():
-        m = FENCE.match(line)
-        if fence is None and m:
-            fence = m.group(1)[0] * 3
-            continue
-        if fence is not None:
-            if line.strip().startswith(fence):
-                fence = None
-            continue
+    for line in _outside_fences(page.read_text()):
         found.update(HTML_ANCHOR.findall(line))
         h = HEADING.match(line)
         if h:
