@@ -21,21 +21,23 @@ int4        ``quantized.embedding_bag_4bit_rowwise_offsets``   dim / 2 + 4 (fp16
 Tables come as a list of 2-D arrays or as a directory of ``table_NNN.npy``
 files (what ``sixfold.partitioner.artifacts`` writes). A directory is memory-mapped
 (``np.load(mmap_mode="r")``): a restart copies nothing and pages in only the
-rows that are read. Quantized and fp16 tables are converted once and cached
-next to the source (``tables/int8/table_NNN.npy``), so the next start maps
-them too; a cache older than its source is rebuilt.
+rows that are read. Quantized and fp16 tables are converted once and cached in
+the cache folder (``cache_dir``, ``sixfold.backends.host.derived_cache``: never
+inside the tables' folder, which may be read-only), keyed by the tables'
+contents, so the next start maps them too and changed rows are never served
+from an old cache.
 
 Layout. Tables of one precision are looked up by one kernel call over one
 weight ("fused", the default, FBGEMM TBE style) or by one call per table
 ("per-table"). Fused needs the group's tables in one buffer, so it
-concatenates them: in memory for a list; for a directory once, into
-``tables/<precision>/fused.npy`` (``fused_<key>.npy`` for a subset of the
-tables), which later starts map with no copy. Per-table never copies a table:
-fp32 tables from a directory are used straight from their own memory maps,
-and no fused file is written, at a measured cost (rm2-like, 1 thread: ~1.5x
-the fused time, from the extra id permutation and 32 calls; see
-BENCHMARKS.md). A partitioner that writes ``tables/fp32/fused.npy`` itself
-gives the fused layout with zero copies and no second file.
+concatenates them: in memory for a list; for a directory once, into a
+fused file in the cache folder, which later starts map with no copy. Per-table
+never copies a table: fp32 tables from a directory are used straight from their
+own memory maps, and no fused file is written, at a measured cost (rm2-like, 1
+thread: ~1.5x the fused time, from the extra id permutation and 32 calls; see
+BENCHMARKS.md). With no writable cache folder (or a full disk), fused fp32
+tables are served per-table and other precisions are converted in memory; the
+reason is logged and kept in ``uncached``.
 
 Index arithmetic (the model's): ``rows = ids + repeat_interleave(bag row
 offset, lengths)``, one ``embedding_bag`` per group. With several groups the
@@ -58,7 +60,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from sixfold.backends.host import bag_order
+from sixfold.backends.host import bag_order, derived_cache
 from sixfold.backends.api import Arrays, Backend, BackendError, Executable, PartitionArtifact
 from sixfold.backends.memory import check_fits
 from sixfold.backends.options import reject_unknown
@@ -132,7 +134,10 @@ class HostEmbeddingStage:
     ``tables``: a list of 2-D float arrays (numpy or torch; one per table, same
     dim) or a directory of ``table_NNN.npy``. ``precision``: one name for all
     tables or one per table. ``cache``: for a directory, keep converted tables
-    on disk next to the source (off: convert in memory at every start).
+    on disk in ``cache_dir`` (default ``derived_cache.default_cache_dir()``; off:
+    convert in memory at every start). ``fingerprints``: file name -> checksum of
+    the tables (plan.json's ``tables.checksums``), the cache's key; computed from
+    the files when not given.
     ``check_ids``: check every id against its table (an O(ids) pass; off when the caller has
     checked them already, as the server does before a request is queued).
     Call it like the model's module: ``stage(sparse_lengths, sparse_indices)``
@@ -142,7 +147,8 @@ class HostEmbeddingStage:
     def __init__(self, tables: Sequence[Any] | str | Path, precision: str | Sequence[str] = "fp32", *,
                  layout: Layout = "fused", cache: bool = True, check_ids: bool = True,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu", item_ids: int = 1,
-                 io_threads: int = IO_THREADS) -> None:
+                 io_threads: int = IO_THREADS, cache_dir: str | Path | None = None,
+                 fingerprints: Mapping[str, str] | None = None) -> None:
         import torch
 
         if layout not in ("fused", "per-table"):
@@ -180,6 +186,12 @@ class HostEmbeddingStage:
         self.precisions = tuple(precisions)
         self.layout = layout
         self._cache = cache and self.source is not None
+        self.cache_dir = Path(cache_dir) if cache_dir else derived_cache.default_cache_dir()
+        self._fingerprints = dict(fingerprints or {})
+        self.cache_paths: list[Path] = []
+        """The derived files this stage maps (in ``cache_dir``)."""
+        self.uncached: str | None = None
+        """Why the cache could not be used (the tables are then served as they are), or None."""
         self.check_ids = check_ids
         self.table_memory: int | None = None
         if table_memory is not None:
@@ -192,46 +204,65 @@ class HostEmbeddingStage:
             if not members:
                 continue
             for part in ([members] if layout == "fused" else [[t] for t in members]):
-                self.groups.append(self._build_group(p, part, arrays, files))
+                self.groups.extend(self._build_groups(p, part, arrays, files))
         self._prepare_index_arithmetic()
 
     # ---- loading -------------------------------------------------------------------------------
 
-    def _build_group(self, precision: str, members: list[int], arrays: list[np.ndarray],
-                     files: list[Path]) -> _Group:
+    def _build_groups(self, precision: str, members: list[int], arrays: list[np.ndarray],
+                      files: list[Path]) -> list[_Group]:
+        """One group of ``members``; fused fp32 tables that cannot be cached: one group per table (no copy)."""
         offsets = np.concatenate([[0], np.cumsum([self.table_rows[t] for t in members])[:-1]]).tolist()
         if len(members) == 1 and members[0] in self.packed:  # already in its precision's layout: map it
-            return _Group(precision, members, arrays[members[0]], offsets)
+            return [_Group(precision, members, arrays[members[0]], offsets)]
         if len(members) == 1 and precision == "fp32":
             a = arrays[members[0]]
             # NOTE: zero copy when the table is already C-contiguous fp32 (a memory map is).
             weight = a if a.dtype == np.float32 and a.flags.c_contiguous else np.ascontiguousarray(a, np.float32)
-            return _Group(precision, members, weight, offsets)
+            return [_Group(precision, members, weight, offsets)]
         if precision == "fp32":
             adjacent = _adjacent_rows([arrays[t] for t in members])
             if adjacent is not None:  # already one buffer (a model's fused weight, sliced per table): use it
-                return _Group(precision, members, adjacent, offsets)
+                return [_Group(precision, members, adjacent, offsets)]
         if self._cache:
-            assert self.source is not None
-            if len(members) == 1:
-                path = self.source / precision / files[members[0]].name
-            elif len(members) == self.num_tables:
-                path = self.source / precision / "fused.npy"
-            else:
-                key = hashlib.sha1(repr([(files[t].name, self.table_rows[t]) for t in members]).encode()).hexdigest()
-                path = self.source / precision / f"fused_{key[:12]}.npy"
-            sources = [files[t] for t in members]
-            if not _fresh(path, sources):
-                self._convert(precision, [arrays[t] for t in members], path)
-            weight = np.load(path, mmap_mode="r")
-            expected = (sum(self.table_rows[t] for t in members), bytes_per_row(precision, self.dim)
-                        if precision in ("int8", "int4") else self.dim)
-            if weight.shape != expected:  # e.g. a cache written by another torch build
-                self._convert(precision, [arrays[t] for t in members], path)
-                weight = np.load(path, mmap_mode="r")
-        else:
-            weight = self._convert(precision, [arrays[t] for t in members], None)
-        return _Group(precision, members, weight, offsets)
+            weight = self._cached(precision, members, arrays, files)
+            if weight is not None:
+                return [_Group(precision, members, weight, offsets)]
+            if precision == "fp32":  # the tables as they are: one kernel call each, zero copies
+                return [g for t in members for g in self._build_groups(precision, [t], arrays, files)]
+        return [_Group(precision, members, self._convert(precision, [arrays[t] for t in members], None), offsets)]
+
+    def _cache_path(self, precision: str, members: list[int], files: list[Path]) -> Path:
+        """Where the derived weight of ``members`` in ``precision`` lives: named by the tables' contents."""
+        sources = []
+        for t in members:
+            name = files[t].name
+            checksum = self._fingerprints.get(name)
+            if checksum is None:
+                checksum = self._fingerprints[name] = derived_cache.source_checksum(files[t])
+            sources.append((name, checksum))
+        key = derived_cache.content_key("tables", sources, precision=precision, dim=self.dim,
+                                        rows=[self.table_rows[t] for t in members])
+        return self.cache_dir / "tables" / f"{precision}-{len(members)}t-{key[:40]}.npy"
+
+    def _cached(self, precision: str, members: list[int], arrays: list[np.ndarray],
+                files: list[Path]) -> np.ndarray | None:
+        """The derived weight from the cache (written first if missing), or None (logged) when it cannot be."""
+        width = bytes_per_row(precision, self.dim) if precision in ("int8", "int4") else self.dim
+        expected = (sum(self.table_rows[t] for t in members), width)
+        try:
+            path = self._cache_path(precision, members, files)
+            weight = _mapped(path, expected)
+            if weight is None:
+                derived_cache.prepare_dir(path.parent)
+                weight = self._convert(precision, [arrays[t] for t in members], path)
+            self.cache_paths.append(path)
+            return weight
+        except OSError as exc:
+            self.uncached = str(exc)
+            log.warning("tables in %s: no %s cache (%s); serving them %s", self.source, precision, exc,
+                        "per table from their own files" if precision == "fp32" else "converted in memory")
+            return None
 
     def _build_tiered(self, files: list[Path], table_memory: int | float, policy: str, item_ids: int,
                       io_threads: int) -> None:
@@ -250,9 +281,7 @@ class HostEmbeddingStage:
         for p, tables in members.items():
             for t in tables:
                 own = p == "fp32" or t in self.packed
-                path = files[t] if own else self.source / p / files[t].name
-                if not own and not _fresh(path, [files[t]]):
-                    self._convert(p, [np.load(files[t], mmap_mode="r")], path)
+                path = files[t] if own else self._tiered_file(p, t, files)
                 paths.setdefault(p, []).append(path)
         heads = {p: [open_table_file(f) for f in fs] for p, fs in paths.items()}
         group_bytes = {p: sum(h.rows * h.row_bytes for h in hs) for p, hs in heads.items()}
@@ -270,6 +299,22 @@ class HostEmbeddingStage:
             offsets = store.table_starts[:-1].tolist()
             self.groups.append(_Group(p, members[p], store.data, offsets, store=store))
         self._prepare_index_arithmetic()
+
+    def _tiered_file(self, precision: str, table: int, files: list[Path]) -> Path:
+        """The converted file a tiered table of ``precision`` reads its rows from (in the cache; written once)."""
+        expected = (self.table_rows[table], bytes_per_row(precision, self.dim) if precision in ("int8", "int4")
+                    else self.dim)
+        try:
+            path = self._cache_path(precision, [table], files)
+            if _mapped(path, expected) is None:
+                derived_cache.prepare_dir(path.parent)
+                self._convert(precision, [np.load(files[table], mmap_mode="r")], path)
+        except OSError as exc:
+            raise ValueError(f"table {table} ({files[table]}): tiered {precision} rows are read from a converted "
+                             f"file in the cache folder, and it cannot be written: {exc}; give a writable "
+                             f"--cache-dir or serve these tables in fp32") from None
+        self.cache_paths.append(path)
+        return path
 
     def close(self) -> None:
         """Close the tiered stores' files (a resident stage holds none)."""
@@ -324,41 +369,23 @@ class HostEmbeddingStage:
         return [g.store for g in self.groups if g.store is not None]
 
     def _convert(self, precision: str, parts: list[np.ndarray], path: Path | None) -> np.ndarray:
-        """Concatenate ``parts`` in ``precision`` (packed for int8/int4), into ``path`` when given."""
-        import torch
+        """Concatenate ``parts`` in ``precision`` (packed for int8/int4), written to ``path`` when given.
 
+        A file is written through ``derived_cache.write_npy`` (allocated first, no memory map):
+        a full disk is an OSError naming the file, never a SIGBUS.
+        """
         rows = sum(a.shape[0] for a in parts)
         dtype = {"fp32": np.float32, "fp16": np.float16}.get(precision, np.uint8)
         width = self.dim if precision in ("fp32", "fp16") else bytes_per_row(precision, self.dim)
-        if path is None:
-            out = np.empty((rows, width), dtype)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(rows, width))
-        start = 0
-        for a in parts:
-            for lo in range(0, a.shape[0], _CHUNK_ROWS):
-                if a.dtype == np.uint8 and precision in ("int8", "int4"):  # packed already: copy the rows
-                    n = min(_CHUNK_ROWS, a.shape[0] - lo)
-                    out[start:start + n] = a[lo:lo + n]
-                    start += n
-                    continue
-                chunk = np.ascontiguousarray(a[lo:lo + _CHUNK_ROWS], dtype=np.float32)
-                n = chunk.shape[0]
-                if precision in ("fp32", "fp16"):
-                    out[start:start + n] = chunk
-                else:
-                    op = (torch.ops.quantized.embedding_bag_byte_prepack if precision == "int8"
-                          else torch.ops.quantized.embedding_bag_4bit_prepack)
-                    out[start:start + n] = op(torch.from_numpy(chunk)).numpy()
-                start += n
         if path is not None:
-            out.flush()  # type: ignore[union-attr]
-            del out
-            os.replace(tmp, path)  # atomic: a concurrent start sees the old cache or the new one
+            derived_cache.write_npy(path, dtype, (rows, width), _converted(precision, parts))
             log.info("cached %s tables at %s", precision, path)
             return np.load(path, mmap_mode="r")
+        out = np.empty((rows, width), dtype)
+        start = 0
+        for chunk in _converted(precision, parts):
+            out[start:start + chunk.shape[0]] = chunk
+            start += chunk.shape[0]
         return out
 
     def _prepare_index_arithmetic(self) -> None:
@@ -672,13 +699,33 @@ def _adjacent_rows(parts: list[np.ndarray]) -> np.ndarray | None:
     return flat[start:start + rows * first.shape[1]].reshape(rows, first.shape[1])
 
 
-def _fresh(path: Path, sources: list[Path]) -> bool:
-    """Whether the cache at ``path`` exists and is newer than every source file."""
+def _mapped(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
+    """``path`` mapped read-only when it is a whole .npy of ``shape``, else None (missing or unusable)."""
     try:
-        mtime = path.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    return all(s.stat().st_mtime <= mtime for s in sources)
+        weight = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    return weight if weight.shape == shape else None
+
+
+def _converted(precision: str, parts: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """``parts``' rows in ``precision`` (packed for int8/int4), ``_CHUNK_ROWS`` at a time: no table-sized buffer."""
+    import torch
+
+    for a in parts:
+        for lo in range(0, a.shape[0], _CHUNK_ROWS):
+            if a.dtype == np.uint8 and precision in ("int8", "int4"):  # packed already: the rows as they are
+                yield np.ascontiguousarray(a[lo:lo + _CHUNK_ROWS])
+                continue
+            chunk = np.ascontiguousarray(a[lo:lo + _CHUNK_ROWS], dtype=np.float32)
+            if precision == "fp32":
+                yield chunk
+            elif precision == "fp16":
+                yield chunk.astype(np.float16)
+            else:
+                op = (torch.ops.quantized.embedding_bag_byte_prepack if precision == "int8"
+                      else torch.ops.quantized.embedding_bag_4bit_prepack)
+                yield op(torch.from_numpy(chunk)).numpy()
 
 
 # ---- the backend ---------------------------------------------------------------------------------
@@ -725,7 +772,8 @@ class HostEmbeddingBackend(Backend):
     (bytes, or a share of the table bytes: rows stay on disk behind a DRAM row
     cache of that size, ``sixfold.backends.host.table_store``), ``cache_policy`` (tinylfu |
     clock), ``item_ids`` (ids one item reads at most: the budget's minimum stages them),
-    ``io_threads``. Inputs are
+    ``io_threads``; ``cache_dir`` (where derived tables go, ``derived_cache``) and
+    ``fingerprints`` (file name -> checksum, plan.json's: the cache's key). Inputs are
     ``artifact.input_names`` (sparse_lengths, sparse_indices); the one output
     is named by ``artifact.output_names`` (e.g. ("host_embedding_bag",)).
     """
@@ -770,7 +818,8 @@ class HostEmbeddingBackend(Backend):
                                        layout=meta.get("layout", "fused"), cache=meta.get("cache", True),
                                        check_ids=self.check_ids, table_memory=meta.get("table_memory"),
                                        cache_policy=meta.get("cache_policy", "tinylfu"),
-                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", IO_THREADS))
+                                       item_ids=meta.get("item_ids", 1), io_threads=meta.get("io_threads", IO_THREADS),
+                                       cache_dir=meta.get("cache_dir"), fingerprints=meta.get("fingerprints"))
         except (ValueError, FileNotFoundError) as exc:
             raise BackendError(f"partition {artifact.name}: {exc}") from exc
         return HostEmbeddingExecutable(artifact, device, stage)

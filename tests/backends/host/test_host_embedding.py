@@ -195,12 +195,13 @@ def test_directory_fp32_per_table_is_zero_copy(tmp_path):
 def test_directory_fused_is_cached_once_then_mapped(tmp_path, precision):
     tables = make_tables(dim=8)
     src = save_tables(tables, tmp_path / "tables")
-    first = HostEmbeddingStage(src, precision)
-    cache = src / precision / "fused.npy"
-    assert cache.is_file()
+    first = HostEmbeddingStage(src, precision, cache_dir=tmp_path / "cache")
+    (cache,) = first.cache_paths
+    assert cache.is_file() and cache.parent == tmp_path / "cache" / "tables"
+    assert sorted(p.name for p in src.iterdir()) == [f"table_{t:03d}.npy" for t in range(4)]  # nothing beside the tables
     stamp = cache.stat().st_mtime_ns
-    second = HostEmbeddingStage(src, precision)
-    assert cache.stat().st_mtime_ns == stamp  # mapped, not rebuilt
+    second = HostEmbeddingStage(src, precision, cache_dir=tmp_path / "cache")
+    assert second.cache_paths == [cache] and cache.stat().st_mtime_ns == stamp  # mapped, not rebuilt
     (group,) = second.groups
     assert isinstance(group.array, np.memmap) and Path(group.array.filename) == cache.resolve()
     assert np.shares_memory(group.array, group.weight.numpy())
@@ -210,19 +211,18 @@ def test_directory_fused_is_cached_once_then_mapped(tmp_path, precision):
     np.testing.assert_array_equal(second.run_numpy(lengths, indices), from_list)
 
 
-def test_per_table_quantized_cache_and_stale_rebuild(tmp_path):
+def test_per_table_quantized_cache_follows_contents_not_mtimes(tmp_path):
     tables = make_tables()
     src = save_tables(tables, tmp_path / "tables")
-    HostEmbeddingStage(src, "int8", layout="per-table")
-    cached = sorted(p.name for p in (src / "int8").iterdir())
-    assert cached == [f"table_{t:03d}.npy" for t in range(4)]
-    # A newer source table makes its cache stale: it is rebuilt from the new rows.
+    first = HostEmbeddingStage(src, "int8", layout="per-table", cache_dir=tmp_path / "cache")
+    assert len(first.cache_paths) == 4 and not (src / "int8").exists()
+    # New rows in a file whose modification time is older than the cache's: a new cache, the new rows.
+    stamp = (src / "table_002.npy").stat().st_mtime_ns
     tables[2] = tables[2] + 5
-    time.sleep(0.01)
     np.save(src / "table_002.npy", tables[2])
-    future = time.time() + 5
-    os.utime(src / "table_002.npy", (future, future))
-    stage = HostEmbeddingStage(src, "int8", layout="per-table")
+    os.utime(src / "table_002.npy", ns=(stamp - 10**9, stamp - 10**9))
+    stage = HostEmbeddingStage(src, "int8", layout="per-table", cache_dir=tmp_path / "cache")
+    assert stage.cache_paths[2] != first.cache_paths[2] and stage.cache_paths[:2] == first.cache_paths[:2]
     lengths, indices = make_request(stage.table_rows, seed=10)
     err = np.abs(stage.run_numpy(lengths, indices) - reference(tables, lengths, indices))
     assert err.max() < 0.1
@@ -230,8 +230,9 @@ def test_per_table_quantized_cache_and_stale_rebuild(tmp_path):
 
 def test_cache_off_writes_nothing(tmp_path):
     src = save_tables(make_tables(), tmp_path / "tables")
-    HostEmbeddingStage(src, "int4", cache=False)
+    HostEmbeddingStage(src, "int4", cache=False, cache_dir=tmp_path / "cache")
     assert sorted(p.name for p in src.iterdir()) == [f"table_{t:03d}.npy" for t in range(4)]
+    assert not (tmp_path / "cache").exists()
 
 
 # ---- errors ----------------------------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""Files derived from a model's tables (fused weights, fp16/int8/int4 rows), kept outside the repository.
+
+Why a cache folder of its own: a model repository may be mounted read-only (docs/deploy.md), and
+a file written beside the tables goes stale when a new version is copied over the folder with its
+modification times kept (``cp -p``, ``rsync -a``). So derived files live under ``--cache-dir``
+(default: ``$SIXFOLD_CACHE_DIR``, else ``$XDG_CACHE_HOME/sixfold``, else ``~/.cache/sixfold``), named
+by a key over the *contents* of the tables they come from (the checksums plan.json records, or
+computed), never by a modification time: different rows give a different file.
+
+Writes never go through a memory map (a full disk would be SIGBUS): the file is allocated whole
+first (``posix_fallocate``), then written with ``os.write`` to a temporary name, synced and renamed
+into place, so a reader sees a complete file or none. ENOSPC is an ``OSError`` naming the path and
+the bytes. Temporaries left by a crashed process are removed when a cache is opened.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import logging
+import os
+import re
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CACHE_ENV", "FORMAT", "default_cache_dir", "content_key", "source_checksum", "write_npy",
+           "remove_stale_temporaries", "prepare_dir"]
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "SIXFOLD_CACHE_DIR"
+"""Environment variable naming the cache folder (``sixfold-serve --cache-dir`` takes precedence)."""
+FORMAT = 1
+"""Part of every key: raise it when the layout of a derived file changes, and old files are never read."""
+_TMP = re.compile(r"^\..+\.tmp(\d+)$")
+_CHUNK = 8 << 20
+_NO_ALLOCATE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+"""posix_fallocate errors that only mean the file system cannot pre-allocate: then the writes find out."""
+
+
+def default_cache_dir() -> Path:
+    """``$SIXFOLD_CACHE_DIR``, else ``$XDG_CACHE_HOME/sixfold``, else ``~/.cache/sixfold``."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "sixfold"
+
+
+def source_checksum(path: str | Path) -> str:
+    """``crc32:<hex>:<bytes>`` of a table file: the same form plan.json records (``tables.checksums``)."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return f"crc32:{crc:08x}:{size}"
+
+
+def content_key(kind: str, sources: Sequence[tuple[str, str]], **params: object) -> str:
+    """A hex SHA-256 over what a derived file is (``kind``, ``params``) and its sources' (name, checksum)."""
+    digest = hashlib.sha256(f"sixfold-derived/{FORMAT}/{kind}\n".encode())
+    for name in sorted(params):
+        digest.update(f"{name}={params[name]!r}\n".encode())
+    for name, checksum in sources:
+        digest.update(f"source {name}={checksum}\n".encode())
+    return digest.hexdigest()
+
+
+def prepare_dir(folder: Path) -> None:
+    """Create ``folder`` and remove stale temporaries in it; OSError (naming it) when it cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create cache folder {str(folder)!r}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"cache folder {str(folder)!r} is not writable")
+    remove_stale_temporaries(folder)
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove ``.NAME.tmpPID`` entries of processes that no longer run (a crash's leftovers); returns them."""
+    import shutil
+
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP.match(entry.name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d temporaries left by stopped processes in %s", len(removed), folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_npy(path: Path, dtype: np.dtype | type, shape: tuple[int, int], chunks: Iterable[np.ndarray]) -> None:
+    """Write a C-ordered ``.npy`` of ``shape`` from ``chunks`` (rows in order), allocated before written.
+
+    The file appears at ``path`` complete or not at all. A full disk or quota is an OSError naming
+    ``path`` and the bytes needed (the temporary is removed); no memory map is involved.
+    """
+    dtype = np.dtype(dtype)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                  "fortran_order": False, "shape": tuple(int(s) for s in shape)})
+    total = header.tell() + int(np.prod(shape)) * dtype.itemsize
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    written = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as exc:
+            if exc.errno not in _NO_ALLOCATE:
+                raise _space_error(exc, path, total, 0) from None
+        try:
+            written += _write_all(fd, header.getvalue())
+            for chunk in chunks:
+                chunk = np.ascontiguousarray(chunk, dtype)
+                written += _write_all(fd, memoryview(chunk).cast("B"))
+            if written != total:
+                raise ValueError(f"{path}: {written} bytes of rows given, {total} expected")
+            os.fsync(fd)
+        except OSError as exc:
+            raise _space_error(exc, path, total, written) from None
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> int:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
+
+
+def _space_error(exc: OSError, path: Path, total: int, written: int) -> OSError:
+    """``exc`` again, its message naming the file and the bytes (ENOSPC's own says neither)."""
+    reason = exc.strerror or str(exc)
+    return OSError(exc.errno, f"writing {str(path)!r}: {reason} ({total} bytes needed, {written} written, "
+                              f"{_free(path.parent)} free on its file system)")
+
+
+def _free(folder: Path) -> str:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "unknown bytes"
+    return f"{st.f_bavail * st.f_frsize} bytes"

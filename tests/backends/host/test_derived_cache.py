@@ -1,0 +1,140 @@
+"""Derived tables (fused weights, int8/fp16 rows) live in a cache folder keyed by contents, never beside the tables.
+
+Read-only table folders serve; a new version copied over a served one with its modification times kept
+(``cp -p``) is never scored with the old rows; a full disk is an OSError naming the file and the bytes,
+and a stage whose cache cannot be written serves the tables as they are.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sixfold.backends.host import derived_cache
+from sixfold.backends.host.host_embedding import HostEmbeddingStage
+from tests.backends.host.test_host_embedding import make_request, make_tables, reference, save_tables
+
+
+def _mount(args: list[str], where: Path) -> None:
+    done = subprocess.run(["mount", *args, str(where)], capture_output=True, text=True, timeout=10)
+    if done.returncode:
+        pytest.skip(f"mounting is not allowed here: {done.stderr.strip() or done.returncode}")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs: a cache folder whose disk fills up."""
+    where = tmp_path / "small"
+    where.mkdir()
+    _mount(["-t", "tmpfs", "-o", "size=2m", "tmpfs"], where)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True, timeout=10)  # lazy: a test's maps may remain
+
+
+def _read_only(folder: Path) -> None:
+    """Mount ``folder`` over itself read-only (root can write through chmod, not through this)."""
+    _mount(["--bind", str(folder)], folder)
+    done = subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], capture_output=True, text=True, timeout=10)
+    if done.returncode:
+        subprocess.run(["umount", str(folder)], timeout=10)
+        pytest.skip(f"read-only remounts are not allowed here: {done.stderr.strip()}")
+
+
+def test_read_only_tables_serve_from_the_cache_and_without_one(tmp_path: Path) -> None:
+    tables = make_tables(rows=(300, 70, 1, 130), dim=16)
+    src = save_tables(tables, tmp_path / "tables")
+    (tmp_path / "ro-cache").mkdir()
+    _read_only(src)
+    _read_only(tmp_path / "ro-cache")
+    try:
+        with pytest.raises(OSError) as refused:
+            (src / "probe").write_bytes(b"x")
+        assert refused.value.errno == errno.EROFS
+        lengths, indices = make_request((300, 70, 1, 130), n=9, seed=3)
+        want = HostEmbeddingStage(tables).run_numpy(lengths, indices)
+        cached = HostEmbeddingStage(src, cache_dir=tmp_path / "cache")
+        assert cached.uncached is None and len(cached.groups) == 1
+        assert cached.cache_paths[0].parent == tmp_path / "cache" / "tables"
+        np.testing.assert_array_equal(cached.run_numpy(lengths, indices), want)
+        # No writable cache: fused fp32 is served per table from the files themselves, the reason kept.
+        bare = HostEmbeddingStage(src, cache_dir=tmp_path / "ro-cache" / "sixfold")
+        assert "ro-cache" in (bare.uncached or "") and "Read-only" in (bare.uncached or "")
+        assert len(bare.groups) == 4 and not bare.cache_paths
+        np.testing.assert_allclose(bare.run_numpy(lengths, indices), want, rtol=1e-6, atol=1e-6)
+        int8 = HostEmbeddingStage(src, "int8", cache_dir=tmp_path / "ro-cache")  # converted in memory
+        err = np.abs(int8.run_numpy(lengths, indices) - reference(tables, lengths, indices))
+        assert int8.uncached and err.max() < 0.1
+        with pytest.raises(ValueError, match="tiered int8 rows are read from a converted file in the cache folder"):
+            HostEmbeddingStage(src, "int8", cache_dir=tmp_path / "ro-cache", table_memory=0.5)
+        tiered = HostEmbeddingStage(src, cache_dir=tmp_path / "ro-cache", table_memory=0.5)  # fp32 needs no cache
+        np.testing.assert_array_equal(tiered.run_numpy(lengths, indices), want)
+        tiered.close()
+    finally:
+        subprocess.run(["umount", "-l", str(src)], timeout=10)
+        subprocess.run(["umount", "-l", str(tmp_path / "ro-cache")], timeout=10)
+    assert sorted(p.name for p in src.iterdir()) == [f"table_{t:03d}.npy" for t in range(4)]
+
+
+def test_a_version_copied_over_with_cp_p_is_scored_with_its_own_rows(tmp_path: Path) -> None:
+    rows = (200, 50, 3, 80)
+    old, new = make_tables(rows, seed=1), make_tables(rows, seed=2)
+    staged = save_tables(new, tmp_path / "next" / "tables")  # built first: older modification times
+    served = save_tables(old, tmp_path / "version" / "tables")
+    lengths, indices = make_request(rows, n=7, seed=4)
+    for precision in ("fp32", "int8"):
+        before = HostEmbeddingStage(served, precision, cache_dir=tmp_path / "cache")
+        np.testing.assert_array_equal(before.run_numpy(lengths, indices),
+                                      HostEmbeddingStage(old, precision).run_numpy(lengths, indices))
+    subprocess.run(["cp", "-p", *sorted(map(str, staged.iterdir())), str(served)], check=True, timeout=30)
+    assert (served / "table_000.npy").stat().st_mtime < before.cache_paths[0].stat().st_mtime
+    for precision in ("fp32", "int8"):
+        after = HostEmbeddingStage(served, precision, cache_dir=tmp_path / "cache")
+        np.testing.assert_array_equal(after.run_numpy(lengths, indices),
+                                      HostEmbeddingStage(new, precision).run_numpy(lengths, indices))
+    # The plan's checksums are the key when given: the same contents find the same file.
+    fingerprints = {p.name: derived_cache.source_checksum(p) for p in served.iterdir()}
+    again = HostEmbeddingStage(served, "int8", cache_dir=tmp_path / "cache", fingerprints=fingerprints)
+    assert again.cache_paths == after.cache_paths
+
+
+def test_a_full_disk_is_an_error_naming_the_file_and_the_bytes(small_fs: Path) -> None:
+    path = small_fs / "big.npy"
+    rows = np.ones((1024, 1024), np.float32)  # 4 MiB into 2 MiB
+    with pytest.raises(OSError) as full:
+        derived_cache.write_npy(path, np.float32, rows.shape, [rows[:512], rows[512:]])
+    assert full.value.errno == errno.ENOSPC
+    assert str(path) in str(full.value) and "4194432 bytes needed" in str(full.value)
+    assert list(small_fs.iterdir()) == []  # nothing half-written left behind
+    derived_cache.write_npy(path, np.float32, (256, 1024), [rows[:256]])  # what fits is written whole
+    np.testing.assert_array_equal(np.load(path), rows[:256])
+
+
+def test_a_stage_whose_cache_disk_is_full_serves_the_tables_as_they_are(tmp_path: Path, small_fs: Path) -> None:
+    tables = make_tables(rows=(4000, 4000, 2000), dim=64)  # 2.5 MiB of fp32 rows
+    src = save_tables(tables, tmp_path / "tables")
+    stage = HostEmbeddingStage(src, cache_dir=small_fs)
+    assert "No space left" in (stage.uncached or "") and str(small_fs) in (stage.uncached or "")
+    assert len(stage.groups) == 3 and [p.name for p in (small_fs / "tables").iterdir()] == []
+    lengths, indices = make_request(stage.table_rows, n=6, seed=5)
+    np.testing.assert_allclose(stage.run_numpy(lengths, indices), HostEmbeddingStage(tables).run_numpy(lengths, indices),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_temporaries_of_stopped_processes_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait(timeout=10)
+    (tmp_path / f".fp32-x.npy.tmp{gone.pid}").write_bytes(b"half")
+    (tmp_path / f".delta.tmp{gone.pid}").mkdir()
+    mine = tmp_path / ".fp32-y.npy.tmp1"  # pid 1 runs: not a leftover
+    mine.write_bytes(b"busy")
+    derived_cache.prepare_dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
+    shutil.rmtree(tmp_path)
