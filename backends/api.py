@@ -25,14 +25,15 @@ import numpy as np
 from sixfold.backends.os_threads import os_thread_name, start_worker_thread
 from sixfold.backends.spec import DeviceSpec
 
-__all__ = ["BACKEND_API_VERSION", "PartitionArtifact", "Backend", "Executable", "BackendError", "DoesNotFit",
+__all__ = ["BACKEND_API_VERSION", "PartitionArtifact", "TensorLayout", "Backend", "Executable", "BackendError", "DoesNotFit",
            "Arrays", "parse_api_version", "api_version_problem"]
 
-BACKEND_API_VERSION = "1.0"
+BACKEND_API_VERSION = "1.1"
 """The version of the vendor interface (``sixfold.backends``' ``__all__``), "MAJOR.MINOR".
 
 MINOR goes up when something is added and every plug-in written against an
-earlier minor of the same major keeps working unchanged (a new optional method
+earlier minor of the same major keeps working unchanged (1.1 added
+``PartitionArtifact.layouts`` and ``TensorLayout``) (a new optional method
 with a default, a new field with a default, a new name in ``__all__``). MAJOR
 goes up when a plug-in may have to change: a name removed or renamed, a required
 method added, a signature, a tensor contract or a threading rule changed. A
@@ -49,6 +50,36 @@ class BackendError(RuntimeError):
 
 class DoesNotFit(BackendError):
     """The partition needs more device memory than is free; the message quotes both numbers."""
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How one input or output of a partition is laid out over a batch's items, so that nobody guesses.
+
+    A batch of N items is split into sub-batches (and their outputs rejoined) on these facts only,
+    never on a tensor's length being divisible by N.
+    """
+
+    rows_per_item: int | None = None
+    """Rows per item: item i's rows are ``[i*k, (i+1)*k)`` (1 for ``dense_features``, T for pooled
+    bags laid out ``[N*T, E]``). None: the rows per item vary (ragged) or are unknown."""
+    ragged_by: str | None = None
+    """Ragged rows (one per id): the model input whose per-item sums count each item's rows
+    (``sparse_lengths``). None with ``rows_per_item`` None: the layout is unknown."""
+    consumed: bool = True
+    """An input the partition reads. False: it only passes the input on, unchanged, to a later
+    pipeline stage (it is also in ``PartitionArtifact.metadata["passthrough"]``)."""
+    passed_on: bool = False
+    """An input a later pipeline stage reads too: the executor carries it past this partition."""
+
+    @property
+    def per_item(self) -> bool:
+        """Whether a batch can be cut between any two items on this tensor."""
+        return self.rows_per_item is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows_per_item": self.rows_per_item, "ragged_by": self.ragged_by, "consumed": self.consumed,
+                "passed_on": self.passed_on}
 
 
 @dataclass
@@ -73,6 +104,9 @@ class PartitionArtifact:
     """Device-memory bytes touched per batch row beyond the weights (activations, lookups)."""
     dtype: str = "fp32"
     metadata: dict[str, Any] = field(default_factory=dict)
+    layouts: dict[str, TensorLayout] = field(default_factory=dict)
+    """Per input and output name: its layout over the batch's items (``TensorLayout``). A name
+    missing here has an unknown layout: the server never splits a batch on it."""
 
 
 class Executable(ABC):

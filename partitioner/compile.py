@@ -27,6 +27,8 @@ from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES
 from sixfold.partitioner.pricing.cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, op_profile
 from sixfold.partitioner.frontends.torch_frontend import export_model
 from sixfold.partitioner.cut.graph_cut import SplitGraph, cut_graph
+from sixfold.partitioner.cut.layout import BatchSymbols, Layout, batch_symbols, observed_layout, tensor_layout
+from sixfold.partitioner.cut.pooling import move_pooling_to_host
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION, PartitionedModel
 from sixfold.partitioner.plan import DeviceInfo, PartitionInfo, PartitionPlan, TensorInfo
 from sixfold.partitioner.pricing.estimate import estimate_plan
@@ -43,11 +45,30 @@ _DTYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.int32: "INT32", t
 ExampleFn = Callable[[int], dict[str, torch.Tensor]]
 
 
-def _tensor_info(name: str, t: torch.Tensor, batch_dim_dynamic: bool = True) -> TensorInfo:
+def _tensor_info(name: str, t: torch.Tensor, batch_dim_dynamic: bool = True, layout: Layout | None = None,
+                 *, consumed: bool = True, passed_on: bool = False) -> TensorInfo:
     shape = list(t.shape)
     if batch_dim_dynamic and shape:
         shape[0] = -1
-    return TensorInfo(name=name, datatype=_DTYPES.get(t.dtype, str(t.dtype)), shape=shape)
+    layout = layout or Layout(None)
+    return TensorInfo(name=name, datatype=_DTYPES.get(t.dtype, str(t.dtype)), shape=shape,
+                      rows_per_item=layout.rows_per_item, ragged_by=layout.ragged_by, consumed=consumed,
+                      passed_on=passed_on)
+
+
+def _layouts(graph: torch.fx.Graph, names: list[str], symbols: BatchSymbols, small: dict[str, torch.Tensor],
+             large: dict[str, torch.Tensor], small_items: int = 4, large_items: int = 64) -> dict[str, Layout]:
+    """Each named placeholder's layout: its traced shape (``cut.layout``) checked against two real runs."""
+    values = {n.name: n.meta.get("val") for n in graph.nodes if n.op == "placeholder"}
+    return {name: tensor_layout(values.get(name), symbols,
+                                observed_layout(small.get(name), small_items, large.get(name), large_items))
+            for name in names}
+
+
+def _unsplittable(layouts: dict[str, Layout], where: str) -> str:
+    """Why a batch of this partition can never be split or merged from parts ("" when it can)."""
+    bad = [f"{n!r} is {layout.describe()}" for n, layout in layouts.items() if not layout.per_item]
+    return f"{where} {'; '.join(bad)}: only a whole batch is right for it" if bad else ""
 
 
 def _run_host(split: SplitGraph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,6 +126,8 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         model, tuple(small[n] for n in (DENSE, LENGTHS, INDICES)))
     gm = program.module()
     labels = assign_sparse_dense(gm.graph)
+    pooling_stays = move_pooling_to_host(gm, labels)  # the host stage ends with per-item tensors where it can
+    gm.recompile()
     split = cut_graph(gm, labels, [SCORES])
 
     small_b, large_b = _run_host(split, small), _run_host(split, large)
@@ -132,7 +155,7 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     if strategy == "pipeline":
         try:
             staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows, compile,
-                                      stages)
+                                      stages, batch_symbols(gm.graph))
         except PlanError as exc:
             raise (auto_refusal(dense_cost, card_infos, exc) if requested == "auto" else exc) from None
         placements = staged.placements
@@ -148,22 +171,34 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     estimates = estimate_plan([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
 
     with torch.inference_mode():
-        scores = split.dense(*large_args)[0]
-    inputs = [_tensor_info(n, large[n]) for n in (DENSE, LENGTHS, INDICES)]
+        scores, small_scores = split.dense(*large_args)[0], split.dense(*small_args)[0]
+    symbols = batch_symbols(gm.graph)
+    small_env, large_env = dict(zip(split.dense_inputs, small_args)), dict(zip(split.dense_inputs, large_args))
+    layouts = {**_layouts(gm.graph, [DENSE, LENGTHS, INDICES], symbols, small, large),
+               **_layouts(split.dense.graph, split.dense_inputs, symbols, small_env, large_env),
+               SCORES: observed_layout(small_scores, 4, scores, 64)}
+    inputs = [_tensor_info(n, large[n], layout=layouts[n]) for n in (DENSE, LENGTHS, INDICES)]
+    outputs = [_tensor_info(SCORES, scores, layout=layouts[SCORES])]
+    dense_layouts = {n: layouts[n] for n in [*split.dense_inputs, SCORES]}
+    unsplittable = _unsplittable(dense_layouts, "card input")
+    if unsplittable and pooling_stays:
+        unsplittable += f" ({pooling_stays})"
+    if unsplittable:
+        log.warning("%s: batches are never split across cards: %s", name, unsplittable)
     host_part = PartitionInfo(
         name=HOST_PARTITION, kind="sparse", format="torch-fx",
         inputs=[i for i in inputs if i.name in split.host_inputs],
-        outputs=[_tensor_info(n, large_b[n]) for n in split.boundary],
+        outputs=[_tensor_info(n, large_b[n], layout=layouts[n]) for n in split.boundary],
         nodes=split.host_nodes, param_bytes=host_cost.param_bytes, flops_per_item=0.0,
         bytes_per_item=host_cost.bytes_per_item)
     dense_part = PartitionInfo(
         name=DENSE_PARTITION, kind="dense", format="onnx",
-        inputs=[_tensor_info(n, dict(zip(split.dense_inputs, large_args))[n]) for n in split.dense_inputs],
-        outputs=[_tensor_info(SCORES, scores)], nodes=split.dense_nodes,
+        inputs=[_tensor_info(n, large_env[n], layout=layouts[n]) for n in split.dense_inputs],
+        outputs=outputs, nodes=split.dense_nodes,
         param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
-        bytes_per_item=dense_cost.bytes_per_item)
+        bytes_per_item=dense_cost.bytes_per_item, unsplittable=unsplittable)
     plan = PartitionPlan(
-        model=name, strategy=strategy, inputs=inputs, outputs=[_tensor_info(SCORES, scores)],
+        model=name, strategy=strategy, inputs=inputs, outputs=outputs,
         partitions=[host_part, dense_part], devices=[host_info, *card_infos], placements=placements,
         estimates=estimates, tables=dict(tables or {}))
 
@@ -172,17 +207,18 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
             name=HOST_PARTITION, format="torch-fx", payload=split.host,
             input_names=tuple(split.host_inputs), output_names=tuple(split.boundary),
             param_bytes=host_cost.param_bytes, flops_per_item=0.0,
-            bytes_per_item=host_cost.bytes_per_item),
+            bytes_per_item=host_cost.bytes_per_item, layouts=host_part.layouts()),
         DENSE_PARTITION: PartitionArtifact(
             name=DENSE_PARTITION, format="onnx", payload=onnx_bytes,
             input_names=tuple(split.dense_inputs), output_names=(SCORES,),
             param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
-            bytes_per_item=dense_cost.bytes_per_item),
+            bytes_per_item=dense_cost.bytes_per_item, layouts=dense_part.layouts()),
     }
     dense_fx = PartitionArtifact(
         name=DENSE_PARTITION, format="torch-fx", payload=split.dense.eval(),
         input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_param,
-        flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item)
+        flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item,
+        layouts=dense_part.layouts())
     variants = {DENSE_PARTITION: [dense_fx]}
     if staged is not None:  # the stages stand in for the one dense partition
         plan.partitions = [host_part, *staged.infos]
@@ -205,16 +241,19 @@ class _Staged:
 
 def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], large_args: tuple[torch.Tensor, ...],
                      host_info: DeviceInfo, card_infos: list[DeviceInfo], batch_rows: int,
-                     compile: bool = True, stages: int | None = None) -> _Staged:
+                     compile: bool = True, stages: int | None = None,
+                     symbols: BatchSymbols = BatchSymbols(None, None)) -> _Staged:
     """Pick cut points (strategy.pipeline), cut the dense graph there (pipeline.split_stages), export each stage."""
     graph_costs = node_costs(split.dense, small_args, 4, large_args, 64)
     choice = pipeline(HOST_PARTITION, DENSE_PARTITION, graph_costs, host_info, card_infos, batch_rows=batch_rows,
                       stages=stages)
     stages = split_stages(split.dense, choice.cuts, [SCORES])
     stage_inputs, final = run_stages(stages, dict(zip(split.dense_inputs, large_args)))
+    small_inputs, _ = run_stages(stages, dict(zip(split.dense_inputs, small_args)))
     bounds = [0, *choice.cuts, len(graph_costs.nodes)]
     staged = _Staged(list(choice.placements), {}, {}, [], {}, {})
-    for stage, name, inputs, (a, b) in zip(stages, choice.stage_names, stage_inputs, zip(bounds[:-1], bounds[1:])):
+    for stage, name, inputs, small, (a, b) in zip(stages, choice.stage_names, stage_inputs, small_inputs,
+                                                  zip(bounds[:-1], bounds[1:])):
         in_per, out_per = graph_costs.live_bytes_per_item(a), graph_costs.produced_bytes_per_item(a, b)
         weights = graph_costs.stage_param_bytes(a, b)
         cost = PartitionCost(param_bytes=weights, flops_per_item=graph_costs.stage_flops_per_item(a, b),
@@ -222,16 +261,26 @@ def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], la
         staged.costs[name], staged.io_bytes[name] = cost, (in_per, out_per)
         with torch.inference_mode():
             outputs = dict(zip(stage.outputs, stage.module(*inputs.values())))
+            small_outputs = dict(zip(stage.outputs, stage.module(*small.values())))
+        layouts = _layouts(stage.module.graph, stage.inputs, symbols, small, inputs)
+        returned = next(n for n in stage.module.graph.nodes if n.op == "output").args[0]
+        for out, value in zip(stage.outputs, returned):
+            traced = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+            layouts[out] = tensor_layout(traced, symbols, observed_layout(small_outputs[out], 4, outputs[out], 64))
+        read = {n.name for n in stage.module.graph.nodes if n.op == "placeholder" and n.users}
         staged.infos.append(PartitionInfo(
             name=name, kind="dense", format="onnx",
-            inputs=[_tensor_info(n, t) for n, t in inputs.items()],
-            outputs=[_tensor_info(n, t) for n, t in outputs.items()], nodes=stage.nodes,
-            param_bytes=weights, flops_per_item=cost.flops_per_item, bytes_per_item=cost.bytes_per_item))
+            inputs=[_tensor_info(n, t, layout=layouts[n], consumed=n in read, passed_on=n in stage.passthrough)
+                    for n, t in inputs.items()],
+            outputs=[_tensor_info(n, t, layout=layouts[n]) for n, t in outputs.items()], nodes=stage.nodes,
+            param_bytes=weights, flops_per_item=cost.flops_per_item, bytes_per_item=cost.bytes_per_item,
+            unsplittable=_unsplittable(layouts, f"stage {name}:")))
         onnx = _export_onnx(stage.module, tuple(inputs.values()), stage.inputs, stage.outputs) if compile else None
         made = [PartitionArtifact(
             name=name, format=fmt, payload=payload, input_names=tuple(stage.inputs),
             output_names=tuple(stage.outputs), param_bytes=weights, flops_per_item=cost.flops_per_item,
-            bytes_per_item=cost.bytes_per_item, metadata={"stage": stage.index, "passthrough": stage.passthrough})
+            bytes_per_item=cost.bytes_per_item, metadata={"stage": stage.index, "passthrough": stage.passthrough},
+            layouts=staged.infos[-1].layouts())
             for fmt, payload in (("onnx", onnx), ("torch-fx", stage.module.eval()))]
         staged.artifacts[name], staged.variants[name] = made[0], made[1:]
     if set(final) != {SCORES}:
@@ -271,7 +320,7 @@ def quantize_tables(partitioned: PartitionedModel, model: torch.nn.Module, preci
     partitioned.artifacts[HOST_PARTITION] = PartitionArtifact(
         name=HOST_PARTITION, format="tables", payload=tables, input_names=(LENGTHS, INDICES),
         output_names=tuple(split.boundary), param_bytes=param_bytes, flops_per_item=0.0,
-        bytes_per_item=old.bytes_per_item, metadata={"precision": precision})
+        bytes_per_item=old.bytes_per_item, metadata={"precision": precision}, layouts=old.layouts)
     info = partitioned.plan.partition(HOST_PARTITION)
     info.format, info.param_bytes = "tables", param_bytes
     partitioned.plan.tables["precision"] = precision

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sixfold.backends.api import TensorLayout
 from sixfold.backends.spec import DeviceSpec
 
 from sixfold.partitioner.pricing.tiers import TierPricing
@@ -29,6 +30,19 @@ class TensorInfo:
     """KServe v2 datatype (FP32, INT32, INT64)."""
     shape: list[int]
     """-1 for a dimension that varies per request."""
+    rows_per_item: int | None = None
+    """Rows per batch item (k: item i's rows are [i*k, (i+1)*k)); None: ragged (see ``ragged_by``) or,
+    in a plan written before layouts were recorded, unknown. A batch is split only on known k."""
+    ragged_by: str | None = None
+    """Ragged rows (one per id): the model input whose per-item sums count each item's rows."""
+    consumed: bool = True
+    """A partition input the partition reads (False: it only passes it on to a later pipeline stage)."""
+    passed_on: bool = False
+    """A partition input a later pipeline stage reads too (carried past this partition unchanged)."""
+
+    def layout(self) -> TensorLayout:
+        return TensorLayout(rows_per_item=self.rows_per_item, ragged_by=self.ragged_by, consumed=self.consumed,
+                            passed_on=self.passed_on)
 
 
 @dataclass
@@ -49,6 +63,13 @@ class PartitionInfo:
     """File of the artifact relative to the plan, when written to disk."""
     dtype: str = "fp32"
     """Compute dtype of the partition ("fp32", "fp16"): what the cost model prices it at."""
+    unsplittable: str = ""
+    """Why a batch's rows of this partition can never be split across cards or merged from parts
+    (a ragged input, say); empty: every input and output has known rows per item."""
+
+    def layouts(self) -> dict[str, TensorLayout]:
+        """Each input's and output's layout, as ``PartitionArtifact.layouts`` carries it to a backend."""
+        return {t.name: t.layout() for t in [*self.inputs, *self.outputs]}
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The cutter takes a labelling (node -> HOST | DENSE) from a policy and never
 changes its input. Values that cross the cut become outputs of the host module
 and inputs of the dense module, named ``host_<node>``. Edges must run host ->
-dense only; anything else is reported, not silently reordered.
+dense only; anything else is reported, not silently reordered. A size (SymInt) the
+host computes and the dense side reads does not cross: the dense side recomputes it
+from its own inputs' shapes (``sizes``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from sixfold.partitioner.cut.sizes import SizeRebuilder, is_size, size_expr
 from sixfold.partitioner.cut.sparse_dense import DENSE, HOST
 
 __all__ = ["SplitGraph", "cut_graph"]
@@ -103,7 +106,7 @@ def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
         if node.op == "placeholder":
             host_inputs.append(node.name)
         env[node] = host_graph.node_copy(node, lambda n: env[n])
-        if node.op != "placeholder" and any(labels.get(u) == DENSE for u in node.users):
+        if node.op != "placeholder" and not is_size(node) and any(labels.get(u) == DENSE for u in node.users):
             boundary_nodes.append(node)
     boundary = [_boundary_name(n) for n in boundary_nodes]
     host_graph.output(tuple(env[n] for n in boundary_nodes))
@@ -123,9 +126,16 @@ def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
         placeholder.meta = dict(node.meta)
         denv[node] = placeholder
         dense_inputs.append(name)
+    sizes = SizeRebuilder(dense_graph, list(denv.values()))
+
+    def dense_value(n: fx.Node) -> object:
+        if n not in denv:  # a host size: rebuilt from the dense inputs' shapes (sizes.SizeRebuilder)
+            denv[n] = sizes.build(size_expr(n.meta.get("val")), f"host value {n.name!r}")
+        return denv[n]
+
     for node in nodes:
         if labels[node] == DENSE and node.op != "placeholder":
-            denv[node] = dense_graph.node_copy(node, lambda n: denv[n])
+            denv[node] = dense_graph.node_copy(node, dense_value)
     dense_graph.output(tuple(denv[r] for r in results))
 
     host_root, dense_root = torch.nn.Module(), torch.nn.Module()

@@ -29,6 +29,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from sixfold.partitioner.cut.graph_cut import _copy_attrs, _is_skippable
+from sixfold.partitioner.cut.sizes import SizeRebuilder, is_size, size_expr
 
 __all__ = ["Stage", "NodeCost", "GraphCosts", "compute_nodes", "split_stages", "node_costs", "run_stages"]
 
@@ -112,8 +113,9 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[int], output_names: Sequence
     """Split ``gm`` into ``len(cuts) + 1`` stages; stage k runs units ``[cuts[k-1], cuts[k])``.
 
     ``output_names`` names the model outputs (default ``output_0``...), which the
-    last stage returns. ``gm`` is left intact. A cut that would pass a
-    non-tensor (a tuple before its ``getitem``, a symbolic size) is refused.
+    last stage returns. ``gm`` is left intact. A symbolic size an earlier stage
+    computed is recomputed from the stage's own inputs' shapes (``sizes``); a cut
+    that would pass any other non-tensor (a tuple before its ``getitem``) is refused.
     """
     units, const, placeholders, output = _classify(gm.graph)
     bounds = _check_cuts(cuts, len(units))
@@ -137,7 +139,8 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[int], output_names: Sequence
     values = [*placeholders, *units]
     stages: list[Stage] = []
     for k in range(last + 1):
-        live_in = [v for v in values if stage_of[v] < k <= last_use.get(v, -1)]
+        live_in = [v for v in values if stage_of[v] < k <= last_use.get(v, -1)
+                   and not (stage_of[v] >= 0 and is_size(v))]
         for v in live_in:
             if stage_of[v] >= 0 and "val" in v.meta and not isinstance(v.meta["val"], torch.Tensor):
                 raise ValueError(f"cannot start stage {k} at unit {units[bounds[k]].name}: value {v.name} "
@@ -149,8 +152,11 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[int], output_names: Sequence
             placeholder = graph.placeholder(_value_name(v))
             placeholder.meta = dict(v.meta)
             env[v] = placeholder
+        sizes = SizeRebuilder(graph, list(env.values()))
 
         def lookup(n: fx.Node) -> fx.Node:
+            if n not in env and is_size(n) and 0 <= stage_of.get(n, -1) < k:  # an earlier stage's size
+                env[n] = sizes.build(size_expr(n.meta["val"]), f"value {n.name} (needed by stage {k})")  # type: ignore[assignment]
             if n not in env:
                 if n.op != "get_attr" and n not in const:
                     raise AssertionError(f"{n.name} read before it is available")  # contiguous cuts rule it out
