@@ -257,6 +257,11 @@ def _parser() -> argparse.ArgumentParser:
     tables.add_argument("--table-cache-policy", choices=["tinylfu", "clock"], default="tinylfu",
                         help="row cache admission: tinylfu (a row enters on its fourth miss; default) or clock "
                              "(every miss)")
+    tables.add_argument("--cache-dir", metavar="DIR", default=None,
+                        help="where tables derived from a model's (fused, fp16/int8/int4) are written, keyed by the "
+                             "tables' checksums; never into the model repository (default: $SIXFOLD_CACHE_DIR, else "
+                             "$XDG_CACHE_HOME/sixfold or ~/.cache/sixfold). Not writable: the tables are served as "
+                             "they are, and the log says why (docs/serving.md)")
     tables.add_argument("--warm-from", metavar="RECORDING",
                         help="before serving, fill the row cache of models with a table memory from the queries of "
                              "this sixfold-loadgen --record file (docs/tiered-tables.md); a model's config.pbtxt may "
@@ -599,7 +604,7 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
                 card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
                 table_memory=args.table_memory, cache_policy=args.table_cache_policy,
                 host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
-                card_scheduling=args.card_scheduling)
+                card_scheduling=args.card_scheduling, cache_dir=args.cache_dir)
         if not quiet:
             out.plan(served)
         served_models.append(served)
@@ -618,7 +623,7 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
                                         allow_nonfinite=args.allow_nonfinite, table_memory=args.table_memory,
                                         cache_policy=args.table_cache_policy,
                                         host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
-                                        card_scheduling=args.card_scheduling)
+                                        card_scheduling=args.card_scheduling, cache_dir=args.cache_dir)
 
         control = core.control = ModelControl(core, repository, load, explicit=args.model_control_mode == "explicit",
                                               warmup=not args.no_warmup)

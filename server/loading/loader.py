@@ -55,18 +55,23 @@ def _table_arrays(partitioned: Loadable) -> list[np.ndarray]:
 
 
 def load_host_stage(partitioned: Loadable, host_device: DeviceSpec, *, table_memory: int | float | None = None,
-                    cache_policy: str = "tinylfu") -> Executable:
+                    cache_policy: str = "tinylfu", cache_dir: str | Path | None = None) -> Executable:
     """The sparse stage: on the host backend its artifact's format needs, or split over host + cards.
 
     ``table_memory`` (bytes, or a share of the table bytes): keep the tables on disk behind a
     DRAM row cache of that size (``sixfold.backends.host.table_store``); None: every row resident.
-    A repository's tables are checked against the checksums in plan.json first.
+    A repository's tables are checked against the checksums in plan.json first; tables derived
+    from them (fused, fp16/int8/int4) go to ``cache_dir`` (None: the user's cache folder), keyed by
+    those checksums (``sixfold.backends.host.derived_cache``), never into the repository.
     """
     plan = partitioned.plan
     artifact = partitioned.artifacts[HOST_PARTITION]
     if artifact.format == "tables" and isinstance(artifact.payload, (str, Path)) and plan.tables.get("checksums"):
         from sixfold.partitioner.tables.checksums import verify_tables
         verify_tables(artifact.payload, plan.tables["checksums"])
+    if artifact.format == "tables":
+        artifact = dataclasses.replace(artifact, metadata={**artifact.metadata, "cache_dir": cache_dir,
+                                                           "fingerprints": plan.tables.get("checksums") or None})
     if table_memory is not None:
         if getattr(plan, "shards", None):
             raise ValueError("table memory (tiered tables) and tables on cards cannot be combined yet")
@@ -131,7 +136,8 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                      card_timeout_floor_s: float = 0.5, table_memory: int | float | None = None,
                      cache_policy: str = "tinylfu", host_chunk_rows: int = 0,
                      warm_from: str | Path | None = None,
-                     card_scheduling: str = DEFAULT_CARD_SCHEDULING) -> ServedModel:
+                     card_scheduling: str = DEFAULT_CARD_SCHEDULING,
+                     cache_dir: str | Path | None = None) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
 
     ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
@@ -140,10 +146,12 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     (``sixfold.server.model.warm``; a model without tiered tables says it has nothing to warm).
     ``host_chunk_rows``: pipeline large batches' host and card stages in chunks (see ``PlanRuntime``).
     ``card_scheduling``: how batches get cards, "fifo" or "greedy" (see ``PlanRuntime``).
+    ``cache_dir``: where tables derived from the model's go (see ``load_host_stage``).
     """
     plan = partitioned.plan
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
-    host = load_host_stage(partitioned, host_device, table_memory=table_memory, cache_policy=cache_policy)
+    host = load_host_stage(partitioned, host_device, table_memory=table_memory, cache_policy=cache_policy,
+                           cache_dir=cache_dir)
     if warm_from:
         from sixfold.server.model.warm import warm_from_recording
         try:
@@ -203,7 +211,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu",
                  host_chunk_rows: int = 0, warm_from: str | Path | None = None,
-                 card_scheduling: str = DEFAULT_CARD_SCHEDULING) -> ServedModel:
+                 card_scheduling: str = DEFAULT_CARD_SCHEDULING, cache_dir: str | Path | None = None) -> ServedModel:
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -218,7 +226,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                             allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
                             card_timeout_floor_s=card_timeout_floor_s, table_memory=table_memory,
                             cache_policy=cache_policy, host_chunk_rows=host_chunk_rows, warm_from=warm_from,
-                            card_scheduling=card_scheduling)
+                            card_scheduling=card_scheduling, cache_dir=cache_dir)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
@@ -228,7 +236,8 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
                          card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                          table_memory: int | float | None = None, cache_policy: str = "tinylfu",
                          host_chunk_rows: int = 0, warm_from: str | Path | None = None,
-                         card_scheduling: str = DEFAULT_CARD_SCHEDULING) -> ServedModel:
+                         card_scheduling: str = DEFAULT_CARD_SCHEDULING,
+                         cache_dir: str | Path | None = None) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
@@ -255,7 +264,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
         card_timeout_floor_s=extras["card_timeout_floor_ms"] / 1e3 if "card_timeout_floor_ms" in extras
         else card_timeout_floor_s, table_memory=extras.get("table_memory", table_memory),
         cache_policy=extras.get("table_cache_policy", cache_policy), host_chunk_rows=host_chunk_rows,
-        warm_from=warm_from, card_scheduling=extras.get("card_scheduling", card_scheduling))
+        warm_from=warm_from, card_scheduling=extras.get("card_scheduling", card_scheduling), cache_dir=cache_dir)
     served.parameters.update({k: v for k, v in settings.parameters.items() if not k.startswith("sixfold.")})
     from sixfold.server.deltas.delta_log import attach
     try:

@@ -48,7 +48,8 @@ def _read_only(folder: Path) -> None:
         pytest.skip(f"read-only remounts are not allowed here: {done.stderr.strip()}")
 
 
-def test_read_only_tables_serve_from_the_cache_and_without_one(tmp_path: Path) -> None:
+def test_read_only_tables_serve_from_the_cache_and_without_one(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     tables = make_tables(rows=(300, 70, 1, 130), dim=16)
     src = save_tables(tables, tmp_path / "tables")
     (tmp_path / "ro-cache").mkdir()
@@ -68,6 +69,7 @@ def test_read_only_tables_serve_from_the_cache_and_without_one(tmp_path: Path) -
         bare = HostEmbeddingStage(src, cache_dir=tmp_path / "ro-cache" / "sixfold")
         assert "ro-cache" in (bare.uncached or "") and "Read-only" in (bare.uncached or "")
         assert len(bare.groups) == 4 and not bare.cache_paths
+        assert "no fp32 cache" in caplog.text and "serving them per table" in caplog.text  # the log says why
         np.testing.assert_allclose(bare.run_numpy(lengths, indices), want, rtol=1e-6, atol=1e-6)
         int8 = HostEmbeddingStage(src, "int8", cache_dir=tmp_path / "ro-cache")  # converted in memory
         err = np.abs(int8.run_numpy(lengths, indices) - reference(tables, lengths, indices))
