@@ -10,7 +10,7 @@ CARDS  ?= 6
 # (about 10 s, on first use) and cached; host-cpu is the generic one.
 HOST_SPEC ?= auto
 
-.PHONY: install demo serve test bench clean mlserver-venv perf-analyzer
+.PHONY: install demo serve test bench clean mlserver-venv triton-venv perf-analyzer
 
 install: $(STAMP)
 
@@ -65,5 +65,19 @@ mlserver-venv: .venv-mlserver/.stamp
 	.venv-mlserver/bin/pip install -q "mlserver==1.7.*" numpy
 	touch $@
 
+# NVIDIA Triton 2.51 (the tritonserver inside the nvidia-pytriton 0.7.0 wheel, Python backend only) serving the
+# same torch model (benchmarks only). Its Python-backend stub runs only from a venv of the distribution's own
+# python3.11 (a pyenv build fails inside the stub), hence TRITON_PYTHON.
+TRITON_PYTHON ?= /usr/bin/python3.11
+triton-venv: .venv-triton/.stamp
+
+.venv-triton/.stamp:
+	@test -x $(TRITON_PYTHON) || { echo "make triton-venv: $(TRITON_PYTHON) not found (the distribution's python3.11 package; set TRITON_PYTHON=...)"; exit 2; }
+	$(TRITON_PYTHON) -m venv .venv-triton
+	.venv-triton/bin/pip install -q --upgrade pip
+	.venv-triton/bin/pip install -q torch==2.13.0
+	.venv-triton/bin/pip install -q nvidia-pytriton==0.7.0 numpy
+	touch $@
+
 clean:
-	rm -rf $(VENV) .venv-mlserver build *.egg-info runs
+	rm -rf $(VENV) .venv-mlserver .venv-triton build *.egg-info runs

@@ -29,6 +29,15 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
                    the same torch model (same name, rows and seed) with adaptive batching
                    (``--mlserver-batch-size`` requests, ``--mlserver-batch-time`` s); its runtime
                    (``bench/mlserver/runtime.py``) runs torch on 1 thread
+  triton           NVIDIA Triton 2.51 (``bench/triton/serve.py`` in ``.venv-triton``: the tritonserver of
+                   the nvidia-pytriton 0.7.0 wheel, whose only backend is Python) serving the same torch
+                   model on 1 thread per instance, ``OMP_WAIT_POLICY=PASSIVE``: 1 instance
+  triton-2inst     the same with 2 instances (2 stub processes, a model copy each)
+  triton-batch     1 instance with Triton's dynamic batcher; it batches whole requests only (its batcher
+                   needs every input to share the first dimension, which rows and ids do not), so each
+                   request goes with a leading batch dimension of 1 (``sixfold-loadgen --batch-dim``).
+                   Triton's ONNX Runtime and libtorch backends are not in that wheel: these rows are
+                   Triton's Python backend, not Triton at its fastest
 
 Per server: a few concurrent queries whose scores are checked against the offline model
 (``answers``); idle latency (one query at a time, median and min of 5) at 270 items (the mean MLPerf
@@ -69,8 +78,9 @@ the *last* input's first dimension (``mlserver/batching/requests.py``
         --serve-arg=--dense-precision --serve-arg=int8 --fifo-arg=--dense-precision --fifo-arg=int8 \
         --answer-tolerance 5e-3                                     # both sides at int8
 
-``make mlserver-venv`` builds ``.venv-mlserver`` (mlserver 1.7 + torch CPU) once; without it the
-MLServer rows say why they are missing and the rest is reported. With ``--runs N`` the servers run
+``make mlserver-venv`` builds ``.venv-mlserver`` (mlserver 1.7 + torch CPU) once, ``make triton-venv``
+``.venv-triton``; without them the MLServer and Triton rows say why they are missing and the rest is
+reported. ``--triton triton,triton-batch`` picks Triton configurations, ``--skip-triton`` leaves them out. With ``--runs N`` the servers run
 in a rotated order each run (offline first); figures are the median run's, ratios medians of
 per-run ratios.
 
@@ -99,10 +109,12 @@ if str(ROOT) not in sys.path:
 
 from sixfold import models  # noqa: E402
 from bench._latency_bounded_report import (  # noqa: E402
-    FLOOR_QPS, LABEL, LARGEST_QUERY, MEAN_QUERY_ITEMS, SECTION, SERVERS, TAKES_IDS_DTYPE, format_section, summarize)
+    FLOOR_QPS, LABEL, LARGEST_QUERY, MEAN_QUERY_ITEMS, SECTION, SERVERS, TAKES_IDS_DTYPE, TRITONS, format_section,
+    summarize)
 from bench._thread_cpu import cpu_by_group, group_pids, thread_cpu  # noqa: E402
 from bench.harness.peers import (  # noqa: E402
-    fifo_server, mlserver_missing, mlserver_server, mlserver_version, sixfold_server)
+    fifo_server, mlserver_missing, mlserver_server, mlserver_version, sixfold_server, triton_missing, triton_server,
+    triton_version)
 from bench.harness.process import ServerProc  # noqa: E402
 from bench.harness.report import machine_line, publish, write_json  # noqa: E402
 from bench.harness.sweep import fmt_qps, mlperf_load, search_max_qps  # noqa: E402
@@ -112,7 +124,7 @@ from sixfold.loadgen.config import IDS_DTYPES  # noqa: E402
 
 CHANNELS_PER_WORKER = 8
 WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
-              "fifo": USUAL_ORDER, "mlserver": DENSE_LAST}
+              "fifo": USUAL_ORDER, "mlserver": DENSE_LAST, **{name: USUAL_ORDER for name in TRITONS}}
 
 
 def log(text: str) -> None:
@@ -134,6 +146,11 @@ def _client(name: str) -> str:
     return "shm" if name == "sixfold-shm" else "raw"
 
 
+def _batch_dim(name: str) -> bool:
+    """Triton's dynamic batching takes each request as one batch element (``sixfold.loadgen.batch_dim``)."""
+    return name == "triton-batch"
+
+
 def _channels(args: argparse.Namespace, client: str) -> int:
     """Connections loadgen spreads a sixfold server's traffic over: several per worker (SO_REUSEPORT
     hashes each connection to one worker), one for a single process (as before the option)."""
@@ -141,11 +158,12 @@ def _channels(args: argparse.Namespace, client: str) -> int:
 
 
 async def search(url: str, model: str, cfg: models.ModelConfig, args: argparse.Namespace, bound: float, *,
-                 lo: float, hi: float, seed: int, console: Any, client: str = "raw", ids_dtype: str = "int64"
-                 ) -> dict[str, Any]:
+                 lo: float, hi: float, seed: int, console: Any, client: str = "raw", ids_dtype: str = "int64",
+                 batch_dim: bool = False) -> dict[str, Any]:
     """The find-max-qps search for one bound: the answer and its best step's figures."""
     config = mlperf_load(url, model, cfg, qps=lo, duration_s=args.step, warmup_s=args.warmup, seed=seed,
-                         drain_timeout_s=10.0, client=client, channels=_channels(args, client), ids_dtype=ids_dtype)
+                         drain_timeout_s=10.0, client=client, channels=_channels(args, client), ids_dtype=ids_dtype,
+                         batch_dim=batch_dim)
     return await search_max_qps(config, p99_ms=bound, lo=lo, hi=hi, floor=min(FLOOR_QPS, lo), step_s=args.step,
                                 tolerance=args.tolerance, max_steps=args.max_steps, settle_s=2.0, console=console)
 
@@ -196,6 +214,8 @@ def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
         return fifo_server(model, args.max_rows, args.fifo_arg)
     if name == "mlserver":
         return mlserver_server(model, args.max_rows, args.mlserver_batch_size, args.mlserver_batch_time)
+    if name in TRITONS:
+        return triton_server(name, model, args.max_rows)
     if name == "sixfold-before":
         return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree,
                               extra=args.serve_arg)
@@ -219,7 +239,8 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         order = WIRE_ORDER[name]
         entry: dict[str, Any] = {"wire_order": list(order),
                                  "answers": asyncio.run(check_answers(url, model, queries, expected, order,
-                                                                      _ids(args, name), args.answer_tolerance))}
+                                                                      _ids(args, name), args.answer_tolerance,
+                                                                      batch_dim=_batch_dim(name)))}
         if order != USUAL_ORDER:
             entry["answers_usual_order"] = asyncio.run(check_answers(url, model, queries, expected, USUAL_ORDER,
                                                                      tolerance=args.answer_tolerance))
@@ -227,13 +248,14 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
         gen = models.RequestGenerator.for_config(cfg, seed=13)
         entry["idle_ms"], entry["idle_ms_min"] = asyncio.run(idle_latency(
             url, model, gen, order, (int(MEAN_QUERY_ITEMS), LARGEST_QUERY), args.idle_repeats,
-            client=_client(name), ids_dtype=_ids(args, name)))
+            client=_client(name), ids_dtype=_ids(args, name), batch_dim=_batch_dim(name)))
         log(f"{tag}: idle latency (ms by items) median {entry['idle_ms']}, min {entry['idle_ms_min']}")
         with inputs_in_order(order):
             warm = asyncio.run(run_load_async(mlperf_load(url, model, cfg, qps=0, duration_s=args.warmup_run,
                                                           concurrency=2, seed=1000 * run + 500,
                                                           client=_client(name), ids_dtype=_ids(args, name),
-                                                          channels=_channels(args, _client(name)))))
+                                                          channels=_channels(args, _client(name)),
+                                                          batch_dim=_batch_dim(name))))
             entry["closed_loop_qps"] = round(float(warm.achieved_qps), 2)
             # The search starts at a quarter of what 2 outstanding queries get: a rate near the answer for
             # the looser bound, whatever the (noisy) offline figure was.
@@ -247,7 +269,8 @@ def measure_server(name: str, model: str, run: int, args: argparse.Namespace, cf
                         f"{entry['idle_ms_min'][LARGEST_QUERY]:g} ms at best")
                     continue
                 result = asyncio.run(search(url, model, cfg, args, bound, lo=start, hi=hi, seed=1000 * run,
-                                            console=console, client=_client(name), ids_dtype=_ids(args, name)))
+                                            console=console, client=_client(name), ids_dtype=_ids(args, name),
+                                            batch_dim=_batch_dim(name)))
                 entry["bounds"][bound] = result
                 start = max(start, result["max_qps"] or 0.0)  # passes a looser bound too: start there
                 log(f"{tag}: p99 <= {bound:g} ms: max {fmt_qps(result)} q/s")
@@ -283,7 +306,7 @@ def measure_saturation(server: ServerProc, url: str, model: str, cfg: models.Mod
         report = asyncio.run(run_load_async(mlperf_load(
             url, model, cfg, qps=0, duration_s=args.saturation_s, concurrency=concurrency,
             seed=1000 * run + 700 + concurrency, client=_client(name), channels=_channels(args, _client(name)),
-            ids_dtype=_ids(args, name))))
+            ids_dtype=_ids(args, name), batch_dim=_batch_dim(name))))
         groups = cpu_by_group(before, thread_cpu(pids))
         wall = time.perf_counter() - t0
         answered = max(1, report.requests.get("ok", 0))
@@ -310,15 +333,16 @@ def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> d
                                         or (s == "sixfold-nobatch" and args.skip_nobatch)
                                         or (s == "sixfold-shm" and args.skip_shm)
                                         or (s == "fifo" and args.skip_fifo)
-                                        or (s == "sixfold-before" and not args.baseline_tree))]
+                                        or (s == "sixfold-before" and not args.baseline_tree)
+                                        or (s in TRITONS and (args.skip_triton or s not in args.triton)))]
     k = run % len(names)
     run_order = names[k:] + names[:k]
     result: dict[str, Any] = {"offline": offline, "order": ["offline", *run_order], "servers": {}}
     for name in run_order:
-        missing = mlserver_missing() if name == "mlserver" else None
+        missing = mlserver_missing() if name == "mlserver" else triton_missing() if name in TRITONS else None
         if missing:
             result["servers"][name] = {"skipped": missing}
-            log(f"[{model} run {run + 1}] mlserver: skipped: {missing}")
+            log(f"[{model} run {run + 1}] {name}: skipped: {missing}")
             continue
         result["servers"][name] = measure_server(name, model, run, args, cfg, queries, expected, hi, console)
     if args.offline_again:
@@ -370,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saturation-s", type=float, default=None,
                    help="measured seconds of each closed loop (default 5; --quick 2)")
     p.add_argument("--skip-mlserver", action="store_true", help="leave MLServer out")
+    p.add_argument("--skip-triton", action="store_true", help="leave Triton out")
+    p.add_argument("--triton", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+                   default=TRITONS, help=f"Triton configurations to run (default: {','.join(TRITONS)})")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
     p.add_argument("--fifo-arg", action="append", default=[], metavar="ARG",
                    help="one more bench/fifo_server.py argument, e.g. --fifo-arg=--dense-precision --fifo-arg=int8 "
@@ -424,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(stderr=True, highlight=False)
     ml = "MLServer not installed" if mlserver_missing() else f"mlserver {mlserver_version()}"
+    triton = "Triton not installed" if triton_missing() else triton_version()
+    unknown = sorted(set(args.triton) - set(TRITONS))
+    if unknown:
+        p.error(f"--triton {','.join(unknown)}: unknown configuration; known: {','.join(TRITONS)}")
     load_at_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in args.models}
@@ -431,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models:
             results[model].append(run_model(model, run, args, console))
     wall = time.perf_counter() - t0
-    machine = machine_line(f"torch {torch.__version__}", ml,
+    machine = machine_line(f"torch {torch.__version__}", ml, triton,
                            f"load average {load_at_start:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     summary = summarize(results, args)
     text = format_section(summary, results, args, argv, wall, machine)

@@ -114,6 +114,11 @@ class LoadConfig:
     """TLS: gRPC over TLS, or HTTPS."""
     root_certificates: str | None = None
     """PEM file of the certificates to trust the server's by (with ``ssl``); None: the system's."""
+    batch_dim: bool = False
+    """Send every input with a leading batch dimension of 1 (``[1, items, 13]``, ``[1, ids]``) and take
+    scores as ``[1, items, 1]``: the signature of a Triton model with ``max_batch_size > 0`` whose inputs
+    allow ragged batches, the only way Triton's dynamic batcher batches recommendation requests (whole
+    requests; their item counts and id counts differ)."""
 
     def __post_init__(self) -> None:
         if not self.url or "://" in self.url or ":" not in self.url:

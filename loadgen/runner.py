@@ -22,6 +22,7 @@ from rich.console import Console
 from sixfold.models.requests import RequestGenerator, parse_query_sizes
 
 from sixfold.loadgen.arrivals import ConstantArrivals, TraceArrivals, parse_arrival
+from sixfold.loadgen.batch_dim import BatchDimTransport
 from sixfold.loadgen.clock import Clock, MonotonicClock
 from sixfold.loadgen.config import CLOSED_LOOP_QUERIES, LoadConfig
 from sixfold.loadgen.driver import ClosedLoopDriver, OpenLoopDriver
@@ -192,7 +193,8 @@ class Target:
         try:
             await wait_until_ready(self.client, config.url, config.model, config.model_version, config.wait_ready_s,
                                    hint=unreachable_hint(config.protocol, config.ssl))
-            overrides = ShapeOverrides(config.table_rows, config.pooling, config.dense_dim, config.zipf)
+            overrides = ShapeOverrides(config.table_rows, config.pooling, config.dense_dim, config.zipf,
+                                       config.batch_dim)
             if self.recorded_shape is not None:
                 await self._check_recorded_shape()
             self.shape = await discover_shape(self.client, config.model, config.model_version, overrides)
@@ -203,6 +205,8 @@ class Target:
             self.transport = make_transport(config.client, config.url, self.client, config.model,
                                             config.model_version, config.channels, config.ids_dtype,
                                             **connection_options(config))
+            if config.batch_dim:
+                self.transport = BatchDimTransport(self.transport)
             await self.transport.connect(max(1.0, config.wait_ready_s))
         except BaseException:
             await self.__aexit__()

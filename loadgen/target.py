@@ -44,6 +44,8 @@ class ShapeOverrides:
     pooling: tuple[int, ...] | None = None
     dense_dim: int | None = None
     zipf: float | tuple[float, ...] | None = None
+    batch_dim: bool = False
+    """The model's inputs have a leading batch dimension (``LoadConfig.batch_dim``): read shapes past it."""
 
 
 @dataclass(frozen=True)
@@ -147,13 +149,18 @@ def shape_from(metadata: Any, config: Any, overrides: ShapeOverrides = ShapeOver
     sources: dict[str, str] = {}
     dense_dims = _dims(metadata, DENSE)
     length_dims = _dims(metadata, LENGTHS)
+    if overrides.batch_dim:
+        dense_dims, length_dims = dense_dims[1:], length_dims[1:]
     _dims(metadata, INDICES)
     if overrides.dense_dim is not None:
         dense_dim, sources["dense_dim"] = overrides.dense_dim, "flag"
     elif len(dense_dims) == 2 and dense_dims[1] > 0:
         dense_dim, sources["dense_dim"] = dense_dims[1], "metadata"
     else:
-        raise LoadgenError(f"cannot tell the dense feature count from {DENSE} shape {dense_dims}; pass --dense-dim")
+        lead = (" (a leading batch dimension: a model with max_batch_size > 0? pass --batch-dim)"
+                if len(dense_dims) == 3 and not overrides.batch_dim else "")
+        raise LoadgenError(f"cannot tell the dense feature count from {DENSE} shape {dense_dims}{lead}; "
+                           "pass --dense-dim")
 
     if overrides.table_rows is not None:
         rows, sources["table_rows"] = overrides.table_rows, "flag"

@@ -128,7 +128,8 @@ def _grpc_channel(url: str, options: list[tuple[str, Any]], ssl: bool, root_cert
 
 
 def _check_scores(shape: list[int] | tuple[int, ...], name: str, items: int) -> None:
-    if name != SCORES or list(shape) != [items, 1]:
+    # NOTE: [1, items, 1] is the same scores from a model that takes a leading batch dimension (LoadConfig.batch_dim)
+    if name != SCORES or list(shape) not in ([items, 1], [1, items, 1]):
         raise RequestFailed("bad_output", f"expected {SCORES} [{items}, 1], got {name} {list(shape)}")
 
 

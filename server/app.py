@@ -25,10 +25,12 @@ from sixfold.server.core import InferenceCore
 from sixfold.server.memory.gc_pause import freeze_loaded_objects
 from sixfold.server.transport.http_app import build_app
 from sixfold.server.transport.http_server import RestServer
-from sixfold.server.protocol.infer_request import parse_model_infer
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.execution.runtime import single_threaded_ops_here
 from sixfold.server.transport.grpc_servicer import InferenceServicer
+from sixfold.server.transport.grpc_receive import bounded_model_infer, sized_model_infer
+from sixfold.server.transport.limits import TransportLimits, grpc_options
+from sixfold.server.transport.receive_budget import ReceiveBudget
 from sixfold.server.workers.siblings import Siblings, WorkerSet
 from sixfold.server.model.warmup import warm_up
 
@@ -81,6 +83,8 @@ class ServerConfig:
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
+    limits: TransportLimits = TransportLimits()
+    """Bytes, connections and timeouts a client may hold before admission (``sixfold.server.transport.limits``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port <= 65535:
@@ -175,6 +179,8 @@ class SixfoldServer:
         self.metrics_port: int | None = None
         """The bound /metrics port, once started with ``config.metrics_port`` set."""
         self._drain_over: asyncio.Event | None = None
+        self.receive_budget = ReceiveBudget(config.limits.receive_bytes, config.max_message_bytes)
+        """Request bytes in flight over both transports, checked before a body is read."""
 
     async def start(self) -> int:
         single_threaded_ops_here()  # the event loop runs small batches inline (sixfold.server.execution.runtime.StageRunner)
@@ -184,7 +190,7 @@ class SixfoldServer:
         # and take half its connections; only the workers of one server share a port.
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes),
-                   ("grpc.so_reuseport", int(workers is not None))]
+                   ("grpc.so_reuseport", int(workers is not None))] + grpc_options(self.config.limits)
         if self.config.warmup:  # before the port opens: the first requests find the models warm
             for model in self.core.all_versions():
                 if not model.warmed_up:
@@ -194,8 +200,9 @@ class SixfoldServer:
         # NOTE: ModelInfer's own handler first (grpc asks handlers in order): its deserializer keeps the raw
         # tensors as views of the message instead of copying them twice (sixfold.server.protocol.infer_request)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(
-                servicer.ModelInfer, request_deserializer=parse_model_infer,
+            "ModelInfer": grpc.stream_unary_rpc_method_handler(
+                bounded_model_infer(servicer, self.receive_budget, self.config.limits.body_timeout_s, self.metrics),
+                request_deserializer=sized_model_infer,
                 response_serializer=service_pb2.ModelInferResponse.SerializeToString)}),))
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -227,7 +234,8 @@ class SixfoldServer:
                             control_token=self.config.control_token, metrics=self.metrics)
             self._rest = RestServer(app, self.config.host, self.config.http_port, tls_cert=self.config.tls_cert,
                                     tls_key=self.config.tls_key, grace_seconds=self.config.grace_seconds,
-                                    reuse_port=workers is not None)
+                                    reuse_port=workers is not None, limits=self.config.limits,
+                                    budget=self.receive_budget, metrics=self.metrics)
             try:
                 self.http_port = await self._rest.start()
             except BaseException:
@@ -241,7 +249,8 @@ class SixfoldServer:
             try:
                 self.metrics_port = self.metrics.serve(host, self.config.metrics_port,
                                                        tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
-                                                       token=self.config.metrics_token)
+                                                       token=self.config.metrics_token,
+                                                       limits=self.config.limits)
             except OSError as exc:  # e.g. taken since it was checked: close what is open, say which port
                 if self._rest is not None:
                     await self._rest.stop()

@@ -26,6 +26,7 @@ from sixfold.server.app import ServerConfig, SixfoldServer, check_ports
 from sixfold.server.scheduling.batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US,
                       BatchingConfig)
 from sixfold.server.core import InferenceCore
+from sixfold.server.transport.limits import TransportLimits
 from sixfold.server.errors import ServingError
 from sixfold.server.observability.logs import LEVELS, configure_logging, emit, parse_level, write_line
 from sixfold.server.observability.metrics import ServerMetrics
@@ -186,6 +187,26 @@ def _parser() -> argparse.ArgumentParser:
                      help="server processes sharing the ports and the cards, each with its own event loop "
                           "(default 1; see docs/workers.md)")
     net.add_argument("--as-worker", default=None, help=argparse.SUPPRESS)  # FOLDER:INDEX:COUNT, set by --workers
+    limits = p.add_argument_group("limits (what clients may hold before admission; docs/serving.md, Limits)")
+    limits.add_argument("--max-connections", type=_count, default=1000,
+                        help="open connections per port (gRPC, REST, metrics); one more is closed at once "
+                             "(default 1000; 0: no cap)")
+    limits.add_argument("--header-timeout-s", type=_seconds, default=10.0,
+                        help="REST and /metrics: a request's headers must arrive within this many seconds of its "
+                             "first byte, else the connection closes (default 10; 0: no limit)")
+    limits.add_argument("--body-timeout-s", type=_seconds, default=30.0,
+                        help="a REST body (408) or gRPC ModelInfer message (DEADLINE_EXCEEDED) must arrive within "
+                             "this many seconds of its read starting (default 30; 0: no limit)")
+    limits.add_argument("--handshake-timeout-s", type=_seconds, default=10.0,
+                        help="TLS and HTTP/2 handshakes must finish this soon after a connection opens "
+                             "(default 10; 0: the libraries' own 60-120 s)")
+    limits.add_argument("--grpc-idle-timeout-s", type=_seconds, default=300.0,
+                        help="close a gRPC connection with no RPC for this long (default 300; 0: never)")
+    limits.add_argument("--grpc-max-connection-age-s", type=_seconds, default=3600.0,
+                        help="ask a gRPC connection this old to reconnect, so load balancers rebalance "
+                             "(default 3600; 0: never)")
+    limits.add_argument("--grpc-max-streams", type=_count, default=128,
+                        help="gRPC RPCs at once per connection (default 128; 0: gRPC's unlimited)")
     sec = p.add_argument_group("security (TLS and tokens)")
     sec.add_argument("--tls-cert", metavar="PEM",
                      help="PEM certificate chain: serve gRPC, REST and /metrics over TLS (with --tls-key)")
@@ -310,6 +331,29 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--list-specs", action="store_true",
                       help="show every named device spec (sixfold's, vendor packages', backends' devices()) and exit")
     return p
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count >= 0")
+    return value
+
+
+def _limits(args: argparse.Namespace) -> TransportLimits:
+    """The transports' limits from the flags; the bytes in flight are the queue's (--max-queue-bytes-mb)."""
+    return TransportLimits(receive_bytes=args.max_queue_bytes_mb << 20, max_connections=args.max_connections,
+                           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                           handshake_timeout_s=args.handshake_timeout_s, idle_timeout_s=args.grpc_idle_timeout_s,
+                           max_connection_age_s=args.grpc_max_connection_age_s,
+                           max_streams_per_connection=args.grpc_max_streams)
 
 
 def _worker_set(text: str | None) -> WorkerSet | None:
@@ -588,7 +632,7 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           control_token=args.control_token or None, metrics_token=args.metrics_token or None,
                           drain_seconds=args.drain_seconds, warmup=not args.no_warmup,
-                          shared_memory=not args.no_shared_memory, workers=workers)
+                          shared_memory=not args.no_shared_memory, workers=workers, limits=_limits(args))
     served_models = []
     if args.model:
         with out.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host...", "loading",

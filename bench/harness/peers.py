@@ -1,5 +1,6 @@
 """The servers a bench compares, each as a ``ServerProc`` ready to start: sixfold-serve (this checkout
-or another tree), the FIFO server (``bench/fifo_server.py``) and Seldon MLServer (``.venv-mlserver``).
+or another tree), the FIFO server (``bench/fifo_server.py``), Seldon MLServer (``.venv-mlserver``) and NVIDIA
+Triton (``.venv-triton``).
 
 One place says how each is started, so every bench runs them with the same flags.
 """
@@ -14,10 +15,18 @@ from pathlib import Path
 from bench.harness.commands import ROOT, command
 from bench.harness.process import ServerProc, free_port
 
-__all__ = ["MLSERVER_PYTHON", "fifo_server", "mlserver_missing", "mlserver_server", "mlserver_version",
-           "sixfold_server"]
+__all__ = ["MLSERVER_PYTHON", "TRITON_CONFIGS", "TRITON_PYTHON", "fifo_server", "mlserver_missing", "mlserver_server",
+           "mlserver_version", "sixfold_server", "triton_missing", "triton_server", "triton_version"]
 
 MLSERVER_PYTHON = ROOT / ".venv-mlserver" / "bin" / "python"
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+# The Triton configurations a bench compares, by server name: ``bench/triton/serve.py`` flags. Dynamic
+# batching batches whole requests (each sent with a leading batch dimension: loadgen's ``batch_dim``).
+TRITON_CONFIGS: dict[str, list[str]] = {
+    "triton": [],
+    "triton-2inst": ["--instances", "2"],
+    "triton-batch": ["--dynamic-batching"],
+}
 
 # serve.py starts `mlserver start` with subprocess.call: give that grandchild the same parent-death
 # signal, then run serve.py, unchanged, as __main__.
@@ -85,3 +94,30 @@ def mlserver_server(model: str, max_rows: int, batch_size: int, batch_time_s: fl
             "--model", model, "--max-rows", str(max_rows), "--grpc-port", str(grpc_port),
             "--http-port", str(http_port), "--max-batch-size", str(batch_size), "--max-batch-time", str(batch_time_s)]
     return ServerProc("mlserver", argv, ready_line="gRPC server running on", url=f"127.0.0.1:{grpc_port}")
+
+
+def triton_missing() -> str | None:
+    """Why Triton cannot run here, or None."""
+    if not TRITON_PYTHON.exists():
+        return "Triton is not installed (no .venv-triton: run `make triton-venv`)"
+    return None
+
+
+def triton_version() -> str:
+    try:
+        out = subprocess.run([str(TRITON_PYTHON), "-c", "import importlib.metadata as m; "
+                              "print('nvidia-pytriton', m.version('nvidia-pytriton'))"],
+                             capture_output=True, text=True, timeout=60)
+        return (out.stdout.strip() or "?") + " (tritonserver 2.51, Python backend)"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def triton_server(name: str, model: str, max_rows: int, extra: list[str] | None = None) -> ServerProc:
+    """``bench/triton/serve.py`` in ``.venv-triton`` in configuration ``name`` (a ``TRITON_CONFIGS`` key): the same
+    torch model behind Triton's Python backend."""
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    argv = [str(TRITON_PYTHON), str(ROOT / "bench" / "triton" / "serve.py"), "--model", model,
+            "--max-rows", str(max_rows), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+            "--metrics-port", str(metrics_port), *TRITON_CONFIGS[name], *(extra or [])]
+    return ServerProc(name, argv, ready_line="READY grpc=", url=f"127.0.0.1:{grpc_port}")

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from sixfold.loadgen.batch_dim import with_batch_dim
 from sixfold.loadgen.transport import DATATYPES, SharedMemoryTransport, wire_tensors
 
 __all__ = ["DENSE_LAST", "GRPC_OPTIONS", "USUAL_ORDER", "check_answers", "encode", "idle_latency",
@@ -47,11 +48,15 @@ def inputs_in_order(order: tuple[str, ...]) -> Iterator[None]:
         runner.make_transport = original
 
 
-def encode(model: str, request: Mapping[str, np.ndarray], order: tuple[str, ...], ids_dtype: str = "int64") -> bytes:
-    """A serialized ``ModelInferRequest``: ``request``'s tensors as raw contents, in ``order``."""
+def encode(model: str, request: Mapping[str, np.ndarray], order: tuple[str, ...], ids_dtype: str = "int64",
+           batch_dim: bool = False) -> bytes:
+    """A serialized ``ModelInferRequest``: ``request``'s tensors as raw contents, in ``order``; ``batch_dim``:
+    each with a leading batch dimension of 1 (``sixfold.loadgen.batch_dim``)."""
     from tritonclient.grpc import service_pb2
 
     request = wire_tensors(request, ids_dtype)
+    if batch_dim:
+        request = with_batch_dim(request)
     message = service_pb2.ModelInferRequest(model_name=model)
     for name in order:
         array = request[name]
@@ -68,7 +73,8 @@ def _scores(answer: Any) -> np.ndarray:
 
 
 async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray]], expected: list[np.ndarray],
-                        order: tuple[str, ...], ids_dtype: str = "int64", tolerance: float = 1e-3) -> dict[str, Any]:
+                        order: tuple[str, ...], ids_dtype: str = "int64", tolerance: float = 1e-3,
+                        batch_dim: bool = False) -> dict[str, Any]:
     """Send ``queries`` at once (so a batching server batches them); compare scores with ``expected``
     (ok: every score within ``tolerance``)."""
     import grpc
@@ -77,7 +83,7 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
     async with grpc.aio.insecure_channel(url, options=GRPC_OPTIONS) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
-        answers = await asyncio.gather(*(call(encode(model, q, order, ids_dtype), timeout=120) for q in queries),
+        answers = await asyncio.gather(*(call(encode(model, q, order, ids_dtype, batch_dim), timeout=120) for q in queries),
                                        return_exceptions=True)
     worst, errors = 0.0, []
     for answer, want in zip(answers, expected):
@@ -94,7 +100,8 @@ async def check_answers(url: str, model: str, queries: list[dict[str, np.ndarray
 
 
 async def idle_latency(url: str, model: str, gen: Any, order: tuple[str, ...], sizes: tuple[int, ...], repeats: int,
-                       *, client: str = "raw", ids_dtype: str = "int64") -> tuple[dict[int, float], dict[int, float]]:
+                       *, client: str = "raw", ids_dtype: str = "int64", batch_dim: bool = False
+                       ) -> tuple[dict[int, float], dict[int, float]]:
     """Median and min ms of one query at a time, per size (after one untimed query of that size), queries
     from ``gen`` (a ``models.RequestGenerator``); ``client="shm"`` sends each query by shared memory
     region (loadgen's SharedMemoryTransport)."""
@@ -128,4 +135,4 @@ async def idle_latency(url: str, model: str, gen: Any, order: tuple[str, ...], s
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
                                    response_deserializer=None)
         return await timed(lambda payload, n: call(payload, timeout=60),
-                           lambda n: encode(model, gen.make(n), order, ids_dtype))
+                           lambda n: encode(model, gen.make(n), order, ids_dtype, batch_dim))

@@ -21,18 +21,15 @@ other path is 404, so an HTTP probe aimed at the port cannot pass by accident.
 from __future__ import annotations
 
 import bisect
-import hmac
-import ssl
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from sixfold.server.observability.metrics_http import MetricsEndpoint
 from sixfold.server.observability.system import CardCollector, HostCollector
 
 __all__ = ["MetricsEndpoint", "ServerMetrics", "ModelMetrics", "TRITON_REASONS", "FAILURE_REASONS", "triton_reason"]
@@ -106,101 +103,14 @@ class ServerMetrics:
         self.refused.labels(protocol, reason).inc()
 
     def serve(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
-              token: str | None = None) -> int:
+              token: str | None = None, limits: Any = None) -> int:
         """Expose this page on ``host:port`` (``MetricsEndpoint.serve``); returns the port."""
-        return self._endpoint.serve(host, port, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        return self._endpoint.serve(host, port, tls_cert=tls_cert, tls_key=tls_key, token=token, limits=limits)
 
     def close(self) -> None:
         """Stop the /metrics endpoint, if it runs."""
         self._endpoint.close()
 
-
-class MetricsEndpoint:
-    """GET /metrics over HTTP(S) in a daemon thread, answering ``source.exposition()`` (a server's
-    ``ServerMetrics``, or the workers' pages together: ``sixfold.server.workers.worker_metrics``)."""
-
-    def __init__(self, source: Any) -> None:
-        self.source = source
-        self._http: ThreadingHTTPServer | None = None
-
-    def serve(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
-              token: str | None = None) -> int:
-        """Expose /metrics on ``host:port`` (0: a free port) in a daemon thread; returns the port.
-
-        With ``tls_cert``/``tls_key`` it is served over HTTPS only (the same files as gRPC's TLS),
-        and with ``token`` a scrape must send ``Authorization: Bearer <token>`` (Prometheus'
-        ``authorization`` scrape setting), so a server that encrypts its traffic does not leave
-        its metrics open in plaintext beside it.
-        """
-        handler = type("MetricsHandler", (_MetricsHandler,), {"metrics": self.source, "token": token})
-        server = self._http = ThreadingHTTPServer((host, port), handler)
-        server.daemon_threads = True
-        if tls_cert and tls_key:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(tls_cert, tls_key)
-            # NOTE: the handshake happens in each connection's thread, so a client that never
-            # finishes one cannot stall the accept loop.
-            server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
-        threading.Thread(target=server.serve_forever, name="sixfold-metrics", daemon=True).start()
-        return server.server_address[1]
-
-    def close(self) -> None:
-        """Stop the /metrics endpoint, if it runs."""
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
-
-
-class _MetricsHandler(BaseHTTPRequestHandler):
-    """GET or HEAD /metrics answers the page; any other path is 404, any other method 405,
-    and a missing or wrong bearer token (when one is set) 401."""
-
-    metrics: Any
-    """What answers the page: anything with ``exposition() -> bytes``."""
-    token: str | None = None
-
-    def _answer(self, body: bool) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            self._plain(404, b"not found: metrics are served at /metrics\n", body)
-            return
-        if self.token is not None and not hmac.compare_digest(
-                self.headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
-            self._plain(401, b"metrics need the header 'Authorization: Bearer <token>' (--metrics-token)\n", body)
-            return
-        page = self.metrics.exposition()
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(page)))
-        self.end_headers()
-        if body:
-            self.wfile.write(page)
-
-    def _plain(self, status: int, text: bytes, body: bool = True) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(text)))
-        if status == 405:
-            self.send_header("Allow", "GET, HEAD")
-        if status == 401:
-            self.send_header("WWW-Authenticate", "Bearer")
-        self.end_headers()
-        if body:
-            self.wfile.write(text)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._answer(body=True)
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._answer(body=False)
-
-    def _refuse(self) -> None:
-        self._plain(405, b"method not allowed: use GET /metrics\n")
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - scrapes are not news
-        pass
 
 
 class ModelMetrics:

@@ -36,6 +36,7 @@ from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.loading.model_config import to_model_config
 from sixfold.server.loading.model_control import authorized_control, check_change_parameters
 from sixfold.server.protocol.shared_memory import NotLocal, check_local_peer, enabled
+from sixfold.server.transport.http_limits import BodyTimeout
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
 
@@ -48,7 +49,7 @@ class BodyTooLarge(InvalidInput):
 
 _STATUS: dict[type[ServingError], int] = {
     BodyTooLarge: 413, NotLocal: 403, InvalidInput: 400, ModelNotFound: 404, Unauthenticated: 401, Overloaded: 429,
-    Unavailable: 503, DeadlineExceeded: 504, InternalError: 500, ServingError: 500,
+    BodyTimeout: 408, Unavailable: 503, DeadlineExceeded: 504, InternalError: 500, ServingError: 500,
 }
 
 

@@ -14,6 +14,10 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from sixfold.server.transport.http_limits import BodyGuard, guarded_protocol
+from sixfold.server.transport.limits import TransportLimits
+from sixfold.server.transport.receive_budget import ReceiveBudget
+
 __all__ = ["RestServer"]
 
 
@@ -22,10 +26,26 @@ KEEP_ALIVE_S = 75
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
+    handshake_timeout_s: float = 60.0
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # NOTE: uvicorn would replace the process's SIGINT/SIGTERM handlers while it serves.
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start on the sockets given, with a TLS handshake timeout (uvicorn leaves asyncio's 60 s)."""
+        config = self.config
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(config=config, server_state=self.server_state,
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        loop = asyncio.get_running_loop()
+        tls = {"ssl_handshake_timeout": self.handshake_timeout_s or None} if config.ssl else {}
+        self.servers = [await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog,
+                                                 **tls) for sock in sockets or ()]
+        self.started = True
 
 
 class RestServer:
@@ -33,18 +53,24 @@ class RestServer:
     ``reuse_port``: the port is shared with sibling processes (``sixfold-serve --workers``)."""
 
     def __init__(self, app, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
-                 grace_seconds: float = 10.0, reuse_port: bool = False) -> None:
+                 grace_seconds: float = 10.0, reuse_port: bool = False, limits: TransportLimits | None = None,
+                 budget: ReceiveBudget | None = None, max_body_bytes: int = 64 << 20, metrics=None) -> None:
         self.host, self.requested_port, self.reuse_port = host, port, reuse_port
         self.port: int | None = None
         # NOTE: log_config=None leaves the process's logging alone; uvicorn's own logger only warns.
         # Keep-alive 75 s, not uvicorn's 5: a client (or a load balancer, ALB/nginx idle 60 s) that reuses
         # an idle connection just as the server closes it gets "server disconnected" on a POST it cannot
         # safely retry; tritonclient.http.aio hit it when building large JSON bodies took > 5 s.
+        limits = limits or TransportLimits()
+        budget = budget or ReceiveBudget(limits.receive_bytes, max_body_bytes)
+        app = BodyGuard(app, budget, budget.max_message_bytes, limits.body_timeout_s, metrics)
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, log_level="warning",
                                      access_log=False, server_header=False, ssl_certfile=tls_cert,
                                      ssl_keyfile=tls_key, timeout_graceful_shutdown=max(1, int(grace_seconds)),
-                                     timeout_keep_alive=KEEP_ALIVE_S)
+                                     timeout_keep_alive=KEEP_ALIVE_S,
+                                     http=guarded_protocol(limits.max_connections, limits.header_timeout_s))
         self._server = _EmbeddedUvicorn(self.config)
+        self._server.handshake_timeout_s = limits.handshake_timeout_s
         self._task: asyncio.Task | None = None
 
     def _bind(self) -> socket.socket:

@@ -1,0 +1,86 @@
+"""One byte budget for request bodies in flight, shared by gRPC and REST, checked before a body is read.
+
+A request holds its share from before its body is read until it is answered, so the bytes of
+bodies being received, decoded, queued and run never pass ``limit`` (plus one message: the first
+request is always let in, whatever its size). REST knows a body's size from Content-Length; gRPC
+learns it only once the message is read, so a gRPC read reserves the message limit while it runs and
+then keeps the message's real size. Refusals are immediate when the bytes already held leave no
+room; a read that only waits for other reads to finish waits (up to a timeout) instead, so a burst
+of small requests is not refused for the few large reservations of reads still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["ReceiveBudget"]
+
+
+class ReceiveBudget:
+    """Bytes held by requests in flight (event-loop local; not thread-safe)."""
+
+    def __init__(self, limit: int, max_message_bytes: int) -> None:
+        self.limit = limit
+        """0: no bound (every reservation succeeds, and is still counted)."""
+        self.max_message_bytes = max_message_bytes
+        self.held = 0
+        """Bytes reserved now, by reads running (the message limit each) and bodies read (their size)."""
+        self.reading = 0
+        """gRPC reads running, each holding ``max_message_bytes`` of ``held``."""
+        self.refused = 0
+        self._waiting = 0
+        self._changed: asyncio.Condition | None = None
+
+    def _fits(self, nbytes: int) -> bool:
+        return not self.limit or self.held == 0 or self.held + nbytes <= self.limit
+
+    def try_hold(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` now if they fit; False (and counted) if not."""
+        if not self._fits(nbytes):
+            self.refused += 1
+            return False
+        self.held += nbytes
+        return True
+
+    async def start_read(self, wait_s: float) -> bool:
+        """Reserve the message limit for a read whose size is not known yet.
+
+        False at once when the bodies already read leave no room for a largest message; otherwise
+        waits up to ``wait_s`` for running reads to settle to their real sizes.
+        """
+        need = self.max_message_bytes
+        settled = self.held - self.reading * need
+        if self.limit and settled > 0 and settled + need > self.limit:
+            self.refused += 1
+            return False
+        if not self._fits(need):
+            if self._changed is None:
+                self._changed = asyncio.Condition()
+            self._waiting += 1
+            try:
+                async with self._changed:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(need)), wait_s)
+            except asyncio.TimeoutError:
+                self.refused += 1
+                return False
+            finally:
+                self._waiting -= 1
+        self.held += need
+        self.reading += 1
+        return True
+
+    def end_read(self, nbytes: int | None) -> None:
+        """The read finished: keep ``nbytes`` (the message's size) of its reservation; None: it failed."""
+        self.reading -= 1
+        self.release(self.max_message_bytes - (nbytes or 0))
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` held; waiting reads may start."""
+        self.held -= nbytes
+        if self._waiting and nbytes > 0:
+            asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
