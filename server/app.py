@@ -85,6 +85,9 @@ class ServerConfig:
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
     limits: TransportLimits = TransportLimits()
     """Bytes, connections and timeouts a client may hold before admission (``sixfold.server.transport.limits``)."""
+    readiness_interval_s: float = 0.25
+    """How often grpc.health.v1 is brought in step with readiness (cards leave and rejoin rotation
+    without any RPC); ServerReady, ModelReady and REST's ready routes read it on each call."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port <= 65535:
@@ -97,6 +100,8 @@ class ServerConfig:
             raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if not self.readiness_interval_s > 0:
+            raise ValueError(f"readiness_interval_s must be > 0, got {self.readiness_interval_s}")
 
 
 class PortError(OSError):
@@ -181,6 +186,9 @@ class SixfoldServer:
         self._drain_over: asyncio.Event | None = None
         self.receive_budget = ReceiveBudget(config.limits.receive_bytes, config.max_message_bytes)
         """Request bytes in flight over both transports, checked before a body is read."""
+        self._readiness: asyncio.Task | None = None
+        self._serving: bool | None = None
+        """What grpc.health.v1 says now (None: not set yet)."""
 
     async def start(self) -> int:
         single_threaded_ops_here()  # the event loop runs small batches inline (sixfold.server.execution.runtime.StageRunner)
@@ -241,8 +249,8 @@ class SixfoldServer:
             except BaseException:
                 await server.stop(None)
                 raise
-        for name in ("", _SERVICE):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._follow_readiness()
+        self._readiness = asyncio.ensure_future(self._watch_readiness())
         if self.config.metrics_port is not None:
             # NOTE: a worker's page is for its supervisor, which serves all the workers' (sixfold.server.workers.worker_metrics)
             host = "127.0.0.1" if workers is not None else self.config.host
@@ -260,9 +268,30 @@ class SixfoldServer:
         freeze_loaded_objects()  # full collections would otherwise walk every loaded module (sixfold.server.memory.gc_pause)
         return self.port
 
+    async def _follow_readiness(self) -> None:
+        """grpc.health.v1 ("" and the inference service) SERVING exactly while the server is ready."""
+        self.core.readiness_changes()  # logs each version that went not ready or came back
+        ready = self.core.ready
+        if ready != self._serving:
+            self._serving = ready
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", _SERVICE):
+                await self._health.set(name, status)
+
+    async def _watch_readiness(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.readiness_interval_s)
+            try:
+                await self._follow_readiness()
+            except Exception:  # noqa: BLE001 - the watch goes on; the next round tries again
+                log.exception("readiness check failed")
+
     async def stop(self) -> None:
         """Report not ready and keep serving for ``drain_seconds``; then refuse new requests
         (UNAVAILABLE), answer queued and running ones, and close."""
+        if self._readiness is not None:  # from here the drain and shutdown set the health status
+            self._readiness.cancel()
+            self._readiness = None
         if self.config.drain_seconds > 0 and self.core.accepting:
             self.core.draining = True
             for name in ("", _SERVICE):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -14,6 +15,8 @@ if TYPE_CHECKING:  # the core holds its siblings; only the front ends' setup mak
     from sixfold.server.workers.siblings import Siblings
 
 __all__ = ["InferenceCore"]
+
+log = logging.getLogger(__name__)
 
 
 def _version_key(version: str) -> tuple[int, str]:
@@ -44,6 +47,7 @@ class InferenceCore:
         """System shared memory regions clients registered (Triton's extension); None: refused."""
         self.siblings: Siblings | None = None
         """The other workers of this server (``sixfold-serve --workers N``); None: this process alone."""
+        self._was_ready: dict[tuple[str, str, int], bool] = {}
 
     async def tell_siblings(self, method: str, request: object) -> None:
         """After this worker changed what it holds: make the same change in every sibling worker."""
@@ -59,7 +63,37 @@ class InferenceCore:
 
     @property
     def ready(self) -> bool:
-        return self.accepting and not self.draining and bool(self.versions)
+        """Server readiness: accepting, not draining, and every served version ready (``ServedModel.ready``:
+        warmed up and with a path that can answer now), as Triton's strict readiness."""
+        return self.accepting and not self.draining and bool(self.versions) and all(
+            model.ready for versions in self.versions.values() for model in versions.values())
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """Whether that version (newest without one) is served and can answer now (KServe's model readiness)."""
+        try:
+            model = self.model(name, version)
+        except ModelNotFound:
+            return False
+        return self.accepting and not self.draining and model.ready
+
+    def readiness_changes(self) -> list[tuple[ServedModel, bool]]:
+        """The versions whose readiness changed since the last call, with their new readiness; each change
+        is logged (a version going not ready says why). Called by the server's readiness watcher."""
+        changes = []
+        seen = self._was_ready
+        current = {}
+        for model in self.all_versions():
+            key = (model.name, model.version, id(model))
+            ready = current[key] = model.ready
+            if seen.get(key, True) != ready:
+                changes.append((model, ready))
+                if ready:
+                    log.warning("model %s version %s is ready again", model.name, model.version)
+                else:
+                    log.warning("model %s version %s is not ready: %s", model.name, model.version,
+                                model.not_ready_because())
+        self._was_ready = current
+        return changes
 
     @property
     def models(self) -> dict[str, ServedModel]:

@@ -470,6 +470,21 @@ class PlanRuntime:
     def _can_fall_back(self) -> bool:
         return self.dense_fallback and self._host_dense_runner is not None
 
+    @property
+    def can_answer(self) -> bool:
+        """Whether a batch has a complete path now: a card (lane) in rotation, or the host's dense fallback.
+
+        Readiness follows it (``ServedModel.ready``): with every card out and no fallback, each batch
+        would fail UNAVAILABLE, so the model must not report ready to a load balancer.
+        """
+        return bool(self.router.healthy) or self._can_fall_back
+
+    def paths(self) -> str:
+        """The paths a batch could take now, in words: each card's state, and the host fallback."""
+        cards = "; ".join(f"card{i} {state}" for i, state in enumerate(self.card_state))
+        host = "host fallback ready" if self._can_fall_back else "no host fallback"
+        return f"{cards}; {host}"
+
     async def between_batches(self, change: Callable[[], Any]) -> Any:
         """Run ``change()`` (awaited if it returns an awaitable, e.g. work sent to a thread) while no batch
         is in the host stage; batches arriving meanwhile wait.

@@ -19,14 +19,14 @@ from sixfold.partitioner.plan import PartitionPlan
 
 from sixfold.server.scheduling.admission import PlanCost
 from sixfold.server.scheduling.batcher import BatchingConfig, DynamicBatcher
-from sixfold.server.execution.dense_loader import load_dense
+from sixfold.server.execution.dense_loader import PipelineExecutable, load_dense
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.model_config import settings_from_proto
 from sixfold.server.loading.repository import CONFIG_FILE, ModelRepository
 from sixfold.server.execution.runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
 
-__all__ = ["load_partitioned", "load_builtin", "load_from_repository", "load_host_stage", "host_id_check"]
+__all__ = ["load_partitioned", "load_host_dense", "load_builtin", "load_from_repository", "load_host_stage", "host_id_check"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,39 @@ def _spill_tables(arrays: list[np.ndarray]) -> Path:
     return directory
 
 
+def load_host_dense(partitioned: Loadable, host_device: DeviceSpec, name: str) -> Executable | None:
+    """The whole dense part on the host CPU (onnxruntime), or None where the host cannot run it.
+
+    It answers small batches when that is faster (DeepRecSys) and every batch while no card can
+    (the fallback), so a model stays ready when its cards fail. A pipelined plan gets its whole
+    stage chain on the host (a fallback only: its dense part was too big for one card, so small
+    batches stay on the cards). Plans with tables on the cards have none: their host stage needs
+    the cards. Without onnxruntime (filtered by ``SIXFOLD_BACKENDS``) there is none either, and
+    readiness follows the cards alone.
+    """
+    plan = partitioned.plan
+    if getattr(plan, "shards", None):
+        return None
+    try:
+        ort = registry.get_backend("onnxruntime")
+    except registry.BackendNotFound as exc:  # e.g. filtered by SIXFOLD_BACKENDS: the cards alone serve
+        log.warning("%s: no dense fallback on the host CPU (%s); every batch goes to a card, and the model is "
+                    "not ready while no card is", name, exc)
+        return None
+    stages = plan.dense_stages()
+    if stages == [DENSE_PARTITION]:
+        return ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), host_device)
+    loaded: list[Executable] = []
+    try:
+        for stage in stages:
+            loaded.append(ort.load(partitioned.artifact_for(stage, ort), host_device))
+        return PipelineExecutable(loaded, name="dense/host")
+    except BaseException:
+        for executable in loaded:
+            executable.close()
+        raise
+
+
 def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetrics,
                      batching: BatchingConfig, version: str = "1", name: str | None = None,
                      backend_options: dict | None = None, max_card_rows: int | None = None,
@@ -162,20 +195,19 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     card_backend = registry.get_backend(backend, **(backend_options or {}))
     # One lane per card (replicate) or per pipeline replica (stages on several cards).
     cards, reload_lane = load_dense(plan, lambda name: partitioned.artifact_for(name, card_backend), card_backend)
-    host_dense = None
-    if host_dense_max_rows != 0 and plan.dense_stages() == [DENSE_PARTITION] and not getattr(plan, "shards", None):
-        # Small batches may run their dense part on the host CPU when that is faster (DeepRecSys).
-        try:
-            ort = registry.get_backend("onnxruntime")
-        except registry.BackendNotFound as exc:  # e.g. filtered by SIXFOLD_BACKENDS: an optimisation, not a need
-            log.warning("%s: no dense fallback on the host CPU (%s); every batch goes to a card",
-                        name or plan.model, exc)
-        else:
-            host_dense = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), host_device)
+    try:
+        host_dense = None if host_dense_max_rows == 0 else load_host_dense(partitioned, host_device,
+                                                                            name or plan.model)
+    except BaseException:
+        for lane in cards:
+            lane.close()
+        host.close()
+        raise
+    pipelined = plan.dense_stages() != [DENSE_PARTITION]
     runtime = PlanRuntime(host, cards, reload_card=reload_lane, max_card_rows=max_card_rows,
                           min_split_rows=min_split_rows, card_timeout_multiple=card_timeout_multiple,
-                          card_timeout_floor_s=card_timeout_floor_s,
-                          host_dense=host_dense, host_dense_max_rows=host_dense_max_rows if host_dense else 0,
+                          card_timeout_floor_s=card_timeout_floor_s, host_dense=host_dense,
+                          host_dense_max_rows=host_dense_max_rows if host_dense and not pipelined else 0,
                           host_chunk_rows=host_chunk_rows, card_scheduling=card_scheduling)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,

@@ -92,7 +92,9 @@ class ModelControl:
         for name in sorted(names):
             loaded = self.core.versions.get(name, {})
             for version in sorted(loaded, key=lambda v: (len(v), v)):
-                states.append(ModelState(name, version, "READY"))
+                model = loaded[version]  # loaded but unable to answer now (every card out, no host fallback)
+                states.append(ModelState(name, version, "READY") if model.ready
+                              else ModelState(name, version, "UNAVAILABLE", model.not_ready_because()))
             if not loaded:
                 states.append(self._states.get(name, ModelState(name, "", "UNAVAILABLE", "unloaded")))
         return [s for s in states if s.state == "READY"] if ready_only else states
@@ -130,6 +132,15 @@ class ModelControl:
             if self.warmup:
                 for model in loaded:
                     await warm_up(model)
+                broken = [m for m in loaded if m.warmup_failed]
+                if broken:  # refused like a failed load: what was served keeps serving
+                    for model in loaded:
+                        await asyncio.to_thread(model.runtime.close)
+                    reason = f"version {broken[0].version}: {broken[0].warmup_failed}"
+                    self._states[name] = ModelState(name, "", "UNAVAILABLE", reason)
+                    log.error("model %s failed to load: %s", name, reason,
+                              extra={"event": "model_load_failed", "model": name})
+                    raise Unavailable(f"failed to load model '{name}': {reason}")
             for model in loaded:  # swap in: from here requests without a version reach the newest
                 self.core.add(model)
             stale = [v for v in current if v not in wanted]

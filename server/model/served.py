@@ -44,6 +44,9 @@ class ServedModel:
     host graph's index arithmetic on the request and checks each lookup's rows (``sixfold.partitioner.tables.id_check``)."""
     warmed_up: bool = False
     """Whether synthetic batches have run through it (``sixfold.server.model.warmup``)."""
+    warmup_failed: str = ""
+    """Why a warm-up batch failed through the model's own fault (empty: it passed, or none ran): such a
+    version is never ready, since real requests of that size would fail the same way."""
 
     def __post_init__(self) -> None:
         # Read at scrape time from the metrics thread: the queue's length, whichever batcher is set by then.
@@ -58,6 +61,20 @@ class ServedModel:
         self._metrics.pending = pending
         if self.runtime is not None:  # its cards' busy time, memory and health, while it lives
             self.metrics.watch_cards(self.name, self.version, self.runtime)
+
+    @property
+    def ready(self) -> bool:
+        """Whether this version can answer now: its warm-up passed and a complete path is healthy
+        (a card in rotation, or the host's dense fallback). KServe's model and server readiness follow it."""
+        return not self.warmup_failed and (self.runtime is None or self.runtime.can_answer)
+
+    def not_ready_because(self) -> str:
+        """Why the version is not ready, in words (empty when it is)."""
+        if self.warmup_failed:
+            return self.warmup_failed
+        if self.runtime is not None and not self.runtime.can_answer:
+            return f"no path can answer a batch ({self.runtime.paths()})"
+        return ""
 
     # NOTE: cached: the plan does not change once served, and these are read on every request.
     @cached_property

@@ -15,9 +15,16 @@ straight through the model's runtime, before the model is served: not through th
 the model's statistics and metrics count no request. Inputs are made from the model's signature:
 zero dense features, the plan's pooling per table (``sixfold.pooling``; one id per bag when the
 plan has none) and id 0 everywhere, which every table has. A model whose inputs are not the
-canonical three is warmed with zeros of each declared shape (dynamic dims = the batch size), and
-one that refuses a synthetic batch is logged and served anyway: a real request is what counts.
+canonical three is warmed with zeros of each declared shape (dynamic dims = the batch size).
 A tiered host stage's row-cache counters are reset afterwards (its hits and misses are traffic's).
+
+Warm-up is also the model's first check (issue 31.5: a model that failed at 1 item logged "serving
+it unwarmed", reported READY, and every lone 1-item request failed INTERNAL). A batch that fails
+through the model's own fault (its host stage, or its dense part on the cards and on the host
+fallback alike) leaves the version never ready (``ServedModel.warmup_failed``), with an ERROR line
+naming the size and the reason; a repository load refuses it (``ModelControl.load``). A batch that
+failed on the cards alone (every card erred or hung, no host fallback to try) is the cards' health,
+not the model's: the version is ready again when a card is back in rotation (``ServedModel.ready``).
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import numpy as np
 
 from sixfold.models import DENSE, INDICES, LENGTHS
 
+from sixfold.server.execution.card_health import CardError, CardHang, NoHealthyCardLeft
 from sixfold.server.scheduling.batcher import BatchInfo
 from sixfold.server.model.served import ServedModel
 from sixfold.server.model.validation import InputSpec
 
-__all__ = ["WarmupReport", "warm_up", "warmup_rows", "synthetic_batch"]
+__all__ = ["WarmupReport", "warm_up", "warmup_rows", "synthetic_batch", "cards_alone"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,8 @@ class WarmupReport:
     seconds: float
     failed: str = ""
     """Why a synthetic batch was refused (empty: every size ran)."""
+    model_fault: bool = False
+    """Whether that failure was the model's own (not the cards' alone): the version is never ready."""
 
 
 def warmup_rows(max_batch_rows: int) -> tuple[int, ...]:
@@ -73,6 +83,11 @@ def _zeros(spec: InputSpec, rows: int) -> np.ndarray:
     return np.zeros(tuple(shape), spec.dtype)
 
 
+def cards_alone(exc: BaseException) -> bool:
+    """Whether a batch failed on the cards alone (each tried card erred or hung, and no host fallback ran)."""
+    return isinstance(exc, (CardError, CardHang, NoHealthyCardLeft))
+
+
 def _forget_lookups(model: ServedModel) -> None:
     """The synthetic batches are not traffic: a tiered host stage's row-cache counters start at zero."""
     stage = getattr(model.runtime.host, "stage", None)
@@ -86,18 +101,26 @@ async def warm_up(model: ServedModel, rows: tuple[int, ...] | None = None) -> Wa
     t0 = time.perf_counter()
     done: list[int] = []
     failed = ""
+    model_fault = False
     for n in sizes:
         try:
             await model.runtime.run(synthetic_batch(model, n), BatchInfo(rows=n, requests=1))
-        except Exception as exc:  # noqa: BLE001 - a model that refuses zeros still serves real requests
+        except Exception as exc:  # noqa: BLE001 - said in the log and in the model's readiness
             failed = f"{type(exc).__name__}: {exc}"
-            log.warning("model %s version %s: warm-up batch of %d rows failed (%s); serving it unwarmed",
-                        model.name, model.version, n, failed)
+            model_fault = not cards_alone(exc)
+            if model_fault:
+                model.warmup_failed = f"warm-up batch of {n} items failed ({failed})"
+                log.error("model %s version %s is not ready: its warm-up batch of %d items failed (%s); requests "
+                          "of %d items would fail the same way", model.name, model.version, n, failed, n)
+            else:
+                log.warning("model %s version %s: warm-up batch of %d items failed on the cards (%s); the version "
+                            "is ready while a card or the host fallback can answer", model.name, model.version, n,
+                            failed)
             break
         done.append(n)
     model.warmed_up = True
     _forget_lookups(model)
-    report = WarmupReport(model.name, tuple(done), time.perf_counter() - t0, failed)
+    report = WarmupReport(model.name, tuple(done), time.perf_counter() - t0, failed, model_fault)
     if not failed:
         log.info("model %s version %s warmed up in %.2f s (batches of %s rows)", model.name, model.version,
                  report.seconds, ", ".join(map(str, done)))

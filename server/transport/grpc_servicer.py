@@ -107,11 +107,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_grpc_errors
     async def ModelReady(self, request, context):
-        try:
-            self.core.model(request.name, request.version)
-        except ServingError:
-            return service_pb2.ModelReadyResponse(ready=False)
-        return service_pb2.ModelReadyResponse(ready=self.core.accepting and not self.core.draining)
+        return service_pb2.ModelReadyResponse(ready=self.core.model_ready(request.name, request.version))
 
     @_grpc_errors
     async def ModelMetadata(self, request, context):

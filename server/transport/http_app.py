@@ -182,11 +182,7 @@ class _Routes:
 
     @_rest_errors
     async def model_ready(self, request: Request) -> Response:
-        try:
-            self.core.model(*_name_version(request))
-        except ModelNotFound:
-            return Response(status_code=400)
-        return Response(status_code=200 if self.core.accepting and not self.core.draining else 400)
+        return Response(status_code=200 if self.core.model_ready(*_name_version(request)) else 400)
 
     @_rest_errors
     async def server_metadata(self, request: Request) -> Response:
