@@ -23,6 +23,13 @@ CPU per request, of the server (/proc) and of perf_analyzer (rusage), over the w
 perf_analyzer run divided by the requests ModelStatistics counted, says where a 2-core
 machine's time goes.
 
+NVIDIA Triton (``make triton-venv``; ``bench/triton/serve.py``: tritonserver 2.51 of the nvidia-pytriton
+wheel, Python backend) is measured the same way on the same model, twice: ``triton`` runs the tiny model
+in torch (1 instance, no batching, as the latency bench's), ``triton empty`` answers zeros with no model
+(``--empty``): what Triton's own request path costs. Its CPU is its whole process group's (the script,
+tritonserver and the Python-backend stub). ``--skip-triton`` leaves both out; without ``.venv-triton``
+they are left out with the reason.
+
 Several front-end processes (``--workers 1 2 4``: ``sixfold-serve --workers N``, N processes on one
 port) and several echo processes on one port (``--echo-processes 1 4``) are measured side by side;
 the first echo server is every ratio's baseline. Their CPU is summed over all their processes, their
@@ -57,7 +64,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._thread_cpu import group_pids  # noqa: E402
 from bench.harness.bench_server import serve_until_signalled  # noqa: E402
+from bench.harness.peers import TRITON_PYTHON, triton_missing  # noqa: E402
 from bench.harness.report import publish  # noqa: E402
 from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
@@ -177,9 +186,9 @@ class Child(ReadyProcess):
     ``stop()`` (always called, in a finally) sends SIGTERM, then SIGKILL after a few seconds.
     """
 
-    def __init__(self, name: str, cmd: list[str], timeout_s: float = 180.0) -> None:
+    def __init__(self, name: str, cmd: list[str], timeout_s: float = 180.0, start_new_session: bool = False) -> None:
         self.name = name
-        super().__init__(cmd, cwd=ROOT, timeout_s=timeout_s)
+        super().__init__(cmd, cwd=ROOT, timeout_s=timeout_s, start_new_session=start_new_session)
         if not self.url:
             self.stop()
             raise RuntimeError(f"{name} did not start:\n" + "".join(self.lines[-30:]))
@@ -244,6 +253,21 @@ def start_echo(name: str, processes: int, model_from: str, workdir: Path) -> Ser
         raise
     return Server(name, children, pids=[c.pid for c in children],
                   stats_urls=[f"unix:{workdir / f'{name}-{i}.sock'}" for i in range(processes)])
+
+
+TRITONS = {"triton": [], "triton empty": ["--empty"]}
+"""The Triton servers measured, by name: ``bench/triton/serve.py`` flags."""
+
+
+def start_triton(name: str) -> Server:
+    """``bench/triton/serve.py`` on the tiny model in its own process group (the script, tritonserver, the stub)."""
+    from bench.harness.process import free_port
+
+    cmd = [str(TRITON_PYTHON), str(ROOT / "bench" / "triton" / "serve.py"), "--model", MODEL, "--max-rows", "100",
+           "--grpc-port", str(free_port()), "--http-port", str(free_port()), "--metrics-port", str(free_port()),
+           *TRITONS[name]]
+    child = Child(name, cmd, start_new_session=True)
+    return Server(name, [child], pids=group_pids(child.pid), stats_urls=[child.url])
 
 
 def children_cpu_s() -> float:
@@ -331,7 +355,7 @@ def echo_name(processes: int) -> str:
 
 def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: Path,
           serve_args: list[str] = (), workers: list[int] = (1,), echo_processes: list[int] = (1,),
-          concurrency: int = CONCURRENCY, variants: list[str] = ()) -> dict[int, Result]:
+          concurrency: int = CONCURRENCY, variants: list[str] = (), tritons: list[str] = ()) -> dict[int, Result]:
     servers: dict[str, Server] = {}
     try:
         for w in workers:
@@ -344,6 +368,8 @@ def bench(sizes: list[int], runs: int, interval_ms: int, trials: int, workdir: P
         model_from = next(iter(servers.values())).url
         for e in echo_processes:
             servers[echo_name(e)] = start_echo(echo_name(e).replace(" ", ""), e, model_from, workdir)
+        for name in tritons:
+            servers[name] = start_triton(name)
         names = list(servers)
         data = {n: write_input_data(n, workdir / f"input-{n}.json") for n in sizes}
         csv_path = workdir / "pa.csv"
@@ -412,6 +438,15 @@ def format_section(results: dict[int, Result], args: argparse.Namespace, argv: l
     per_run = "; ".join(f"{name}, {n} item(s): " + ", ".join(f"{x:.3f}" for x in res.ratios(name, baseline))
                         for n, res in results.items() for name in names if name.startswith("sixfold"))
     lines += ["", f"Goal: sixfold / {baseline} throughput >= {GOAL}: {'; '.join(verdicts)}. Per-run ratios: {per_run}."]
+    if "triton empty" in names:
+        against = "; ".join(
+            f"{name} / triton empty at {n} item(s): "
+            f"{statistics.median(res.ratios(name, 'triton empty')):.3f}"
+            for n, res in results.items() for name in names if name.startswith("sixfold"))
+        lines += ["", f"Against Triton's own request path (its Python backend answering zeros, no model; goal: "
+                  f"sixfold with 2 front ends above it): {against}."]
+    if args.triton_skipped:
+        lines += ["", f"Triton: {args.triton_skipped}."]
     return "\n".join(lines) + "\n"
 
 
@@ -446,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY,
                         help=f"perf_analyzer's concurrency (default {CONCURRENCY})")
     parser.add_argument("--perf-analyzer", type=Path, default=None, help=f"perf_analyzer command (default {TOOL})")
+    parser.add_argument("--skip-triton", action="store_true", help="leave the Triton servers out")
     args = parser.parse_args(argv)
     if args.echo_server:
         if not args.model_from:
@@ -458,10 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     if not TOOL.exists():
         print(f"serving_overhead: skipped: perf_analyzer not found at {TOOL}", file=sys.stderr)
         return 0
+    args.triton_skipped = "left out (--skip-triton)" if args.skip_triton else triton_missing()
+    tritons = [] if args.triton_skipped else list(TRITONS)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
         results = bench(args.items, args.runs, args.interval_ms, args.trials, Path(tmp), args.serve_arg,
-                        args.workers, args.echo_processes, args.concurrency, args.variant)
+                        args.workers, args.echo_processes, args.concurrency, args.variant, tritons)
     text = format_section(results, args, argv, time.perf_counter() - t0)
     publish(SECTION, text, write=not args.no_write)
     return 0

@@ -34,13 +34,19 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         torch.set_num_threads(int(params.get("threads", "1")))
         self.batched = int(config.get("max_batch_size", 0)) > 0
-        self.model = models.build(params["zoo_model"], max_rows=int(params["max_rows"]), seed=int(params["seed"]))
+        self.empty = params.get("empty") == "true"  # answers zeros: Triton's own cost, no model
+        self.model = None if self.empty else models.build(params["zoo_model"], max_rows=int(params["max_rows"]),
+                                                          seed=int(params["seed"]))
 
     def execute(self, requests: list) -> list:
         arrays = [[pb_utils.get_input_tensor_by_name(r, name).as_numpy() for name in _ORDER] for r in requests]
         if self.batched:  # one batch element per request: drop it, run all requests' items at once
             arrays = [[a[0] for a in request] for request in arrays]
         items = [request[0].shape[0] for request in arrays]
+        if self.empty:
+            zeros = [np.zeros((n, 1), np.float32) for n in items]
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("scores", z[np.newaxis] if self.batched else z)])
+                    for z in zeros]
         with torch.inference_mode():
             tensors = [torch.from_numpy(np.ascontiguousarray(np.concatenate([r[i] for r in arrays])))
                        for i in range(len(_ORDER))]

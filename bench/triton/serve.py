@@ -13,7 +13,8 @@ this interpreter's version beside the backend, and runs ``tritonserver`` in the 
 ``READY grpc=HOST:PORT`` once the model answers.
 
 Configurations: ``--instances N`` (``instance_group`` count: N stub processes, each its own model copy),
-``--threads T`` (torch threads per instance) and ``--dynamic-batching``. Triton's dynamic batcher needs
+``--threads T`` (torch threads per instance), ``--dynamic-batching``, and ``--empty`` (the same signature
+answered with zeros: Triton's own cost per request, the serving-overhead bench's empty model). Triton's dynamic batcher needs
 every input to share its first dimension (the batch), which a recommendation request's inputs do not
 (rows per item, ids per request), so with it each input takes a leading batch dimension of 1 with
 ``allow_ragged_batch``: Triton batches whole requests, and clients send them with
@@ -48,7 +49,7 @@ def _config(args: argparse.Namespace, dense_dim: int, tables: int, table_rows: s
     batched = args.dynamic_batching
     ragged = " allow_ragged_batch: true" if batched else ""
     params = {"zoo_model": args.model, "max_rows": str(args.max_rows), "seed": str(args.seed),
-              "threads": str(args.threads), "sixfold.table_rows": table_rows, "sixfold.pooling": pooling}
+              "threads": str(args.threads), "empty": "true" if args.empty else "false", "sixfold.table_rows": table_rows, "sixfold.pooling": pooling}
     lines = [
         f'name: "{args.model}"', 'backend: "python"',
         f"max_batch_size: {args.max_batch_size if batched else 0}",
@@ -65,6 +66,13 @@ def _config(args: argparse.Namespace, dense_dim: int, tables: int, table_rows: s
     for key, value in params.items():
         lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
+
+
+def _die_with_parent() -> None:
+    """tritonserver gets SIGTERM when this script dies, however it dies (PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
 def _wait_ready(http_port: int, model: str, proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -95,6 +103,8 @@ def main() -> int:
                    help="Triton's dynamic batcher over whole requests (clients send --batch-dim requests)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests per dynamic batch")
     p.add_argument("--max-queue-delay-us", type=int, default=2000, help="dynamic batcher's window")
+    p.add_argument("--empty", action="store_true",
+                   help="answer zeros without running the model: what Triton itself costs a request")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     args = p.parse_args()
     if str(REPO) not in sys.path:
@@ -125,7 +135,7 @@ def main() -> int:
                 "--http-port", str(args.http_port), "--metrics-port", str(args.metrics_port),
                 "--grpc-address", "127.0.0.1", "--http-address", "127.0.0.1", "--log-verbose", "0",
                 "--allow-gpu-metrics", "false", "--exit-on-error", "true"]
-        proc = subprocess.Popen(argv, env=env)
+        proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
         signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
         if not _wait_ready(args.http_port, args.model, proc, args.ready_timeout):
             proc.terminate()
