@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 
 import numpy as np
 
-from sixfold.backends.api import Arrays, Executable, PartitionArtifact
+from sixfold.backends.api import Arrays, Executable, PartitionArtifact, TensorLayout
 from sixfold.models.signature import DENSE, INDICES, SCORES
 
 from sixfold.simulate.platform import StageModel
@@ -86,7 +86,9 @@ def _at(loop: asyncio.AbstractEventLoop, when: float, outputs: Arrays) -> asynci
 
 
 def _artifact(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> PartitionArtifact:
-    return PartitionArtifact(name=name, format="virtual", payload=None, input_names=inputs, output_names=outputs)
+    # NOTE: every virtual tensor is one [rows, 0] row per item (empty_rows), and says so: batches split on it
+    return PartitionArtifact(name=name, format="virtual", payload=None, input_names=inputs, output_names=outputs,
+                             layouts={n: TensorLayout(rows_per_item=1) for n in (*inputs, *outputs)})
 
 
 class VirtualStage(Executable):

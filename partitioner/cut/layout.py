@@ -12,6 +12,7 @@ sizes confirm a per-item count, and stand in for it where the graph carries no s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 import torch
@@ -76,10 +77,9 @@ def symbolic_layout(value: object, symbols: BatchSymbols) -> Layout | None:
     return Layout(None)
 
 
-def observed_layout(small: torch.Tensor | None, small_items: int, large: torch.Tensor | None,
-                    large_items: int) -> Layout:
-    """The layout two real runs agree on: k rows per item at both batch sizes, else unknown."""
-    if small is None or large is None or small.dim() == 0 or large.dim() == 0:
+def observed_layout(small: Any, small_items: int, large: Any, large_items: int) -> Layout:
+    """The layout two real runs (tensors or arrays) agree on: k rows per item at both batch sizes, else unknown."""
+    if small is None or large is None or not len(small.shape) or not len(large.shape):
         return Layout(None)
     k, rest = divmod(large.shape[0], large_items)
     if k > 0 and not rest and small.shape[0] == k * small_items:

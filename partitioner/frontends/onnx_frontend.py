@@ -49,6 +49,7 @@ from sixfold.partitioner.pricing.estimate import estimate_plan
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION, PartitionedModel
 from sixfold.partitioner.pricing.cost import PartitionCost
 from sixfold.partitioner.plan import DeviceInfo, PartitionInfo, PartitionPlan, TensorInfo
+from sixfold.partitioner.cut.layout import Layout, observed_layout
 from sixfold.partitioner.cut.sparse_dense import DENSE as DENSE_LABEL, HOST
 from sixfold.partitioner.placement.strategy import replicate
 
@@ -123,6 +124,8 @@ class OnnxSplit:
     """Observed shape of each model input and boundary tensor (-1 where it varies)."""
     dtypes: dict[str, int] = field(default_factory=dict)
     """ONNX element type of each model input, boundary tensor and the scores."""
+    layouts: dict[str, Layout] = field(default_factory=dict)
+    """Rows per item of each model input, boundary tensor and the scores (``_observed_layouts``)."""
 
     @property
     def labels(self) -> dict[str, str]:
@@ -617,6 +620,8 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
     feeds = {rows: _request(rows, dense_dim, tables, pooling, _random_ids(rows, tables, pooling, limits, rows),
                             seed=rows) for rows in sorted({*_OBSERVE_ROWS, *_VERIFY_ROWS})}
     observed = {rows: runner.run(feed) for rows, feed in feeds.items()}
+    layouts = _observed_layouts(runner, observed, [*graph.inputs, *cut.boundary, SCORES], dense_dim, tables,
+                                pooling, limits)
     infos: dict[str, onnx.ValueInfoProto] = {}
     shapes: dict[str, list[int]] = {}
     for tensor in cut.boundary:
@@ -648,7 +653,28 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
                      boundary=cut.boundary, dense_inputs=cut.dense_inputs, host_nodes=cut.host_nodes,
                      dense_nodes=cut.dense_nodes, pooling=pooling, tables=facts, flops_per_item=flops,
                      lookup_bytes_per_item=lookup_bytes, dense_input_bytes_per_item=dense_in,
-                     shapes=shapes, dtypes=dtypes)
+                     shapes=shapes, dtypes=dtypes, layouts=layouts)
+
+
+def _observed_layouts(runner: _Runner, observed: dict[int, dict[str, np.ndarray]], names: Sequence[str],
+                      dense_dim: int, tables: int, pooling: int, limits: Sequence[int]) -> dict[str, Layout]:
+    """Each tensor's rows per item at two batch sizes; ragged (by ``sparse_lengths``) where they change with the pooling.
+
+    An ONNX graph carries no symbolic batch, so the layouts are observed: k rows per item at
+    both sizes, unless a request with one more id per (item, table) changes the count (one
+    row per id, not per item). A model that runs at one pooling only keeps its per-item k.
+    """
+    small, large = _OBSERVE_ROWS
+    found = {n: observed_layout(observed[small].get(n), small, observed[large].get(n), large) for n in names}
+    try:
+        other = runner.run(_request(small, dense_dim, tables, pooling + 1,
+                                    _random_ids(small, tables, pooling + 1, limits, small), seed=small))
+    except Exception:  # noqa: BLE001 - the model takes only its one pooling: its ids per item are fixed
+        return found
+    for n, layout in found.items():
+        if layout.per_item and n in other and other[n].ndim and other[n].shape[0] != layout.rows_per_item * small:
+            found[n] = Layout(None, LENGTHS)
+    return found
 
 
 def _verify(host: onnx.ModelProto, dense: onnx.ModelProto, cut: _Cut, feeds: dict[int, dict[str, np.ndarray]],
@@ -675,8 +701,9 @@ def _tensor_info(split: OnnxSplit, name: str) -> TensorInfo:
     shape = list(split.shapes.get(name, [-1, 1]))
     if shape:
         shape[0] = -1
+    layout = split.layouts.get(name, Layout(None))
     return TensorInfo(name=name, datatype=_KSERVE.get(split.dtypes[name], TensorProto.DataType.Name(
-        split.dtypes[name])), shape=shape)
+        split.dtypes[name])), shape=shape, rows_per_item=layout.rows_per_item, ragged_by=layout.ragged_by)
 
 
 def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSpec], host: DeviceSpec,
@@ -716,10 +743,15 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
         name=HOST_PARTITION, kind="sparse", format="onnx", inputs=info(split.host_inputs),
         outputs=info(split.boundary), nodes=split.host_nodes, param_bytes=host_bytes, flops_per_item=0.0,
         bytes_per_item=host_cost.bytes_per_item)
+    ragged = [f"{n!r} is {split.layouts.get(n, Layout(None)).describe()}" for n in [*split.dense_inputs, SCORES]
+              if not split.layouts.get(n, Layout(None)).per_item]
     dense_part = PartitionInfo(
         name=DENSE_PARTITION, kind="dense", format="onnx", inputs=info(split.dense_inputs),
         outputs=info([SCORES]), nodes=split.dense_nodes, param_bytes=dense_bytes,
-        flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item)
+        flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item,
+        unsplittable=f"card input {'; '.join(ragged)}: only a whole batch is right for it" if ragged else "")
+    if ragged:
+        log.warning("%s: batches are never split across cards: %s", name, dense_part.unsplittable)
     plan = PartitionPlan(model=name, strategy="replicate", inputs=inputs, outputs=info([SCORES]),
                          partitions=[host_part, dense_part], devices=[host_info, *card_infos],
                          placements=placements, estimates=estimates, tables=dict(split.tables))
@@ -727,11 +759,12 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
         HOST_PARTITION: PartitionArtifact(
             name=HOST_PARTITION, format="onnx", payload=split.host.SerializeToString(),
             input_names=tuple(split.host_inputs), output_names=tuple(split.boundary), param_bytes=host_bytes,
-            flops_per_item=0.0, bytes_per_item=host_cost.bytes_per_item),
+            flops_per_item=0.0, bytes_per_item=host_cost.bytes_per_item, layouts=host_part.layouts()),
         DENSE_PARTITION: PartitionArtifact(
             name=DENSE_PARTITION, format="onnx", payload=split.dense.SerializeToString(),
             input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_bytes,
-            flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item),
+            flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item,
+            layouts=dense_part.layouts()),
     }
     return PartitionedModel(plan=plan, artifacts=artifacts, split=None, graph=split.model, labels=split.labels)
 

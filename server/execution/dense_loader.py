@@ -49,7 +49,9 @@ class PipelineExecutable(Executable):
             output_names=tuple(last.output_names), param_bytes=sum(s.artifact.param_bytes for s in stages),
             flops_per_item=sum(s.artifact.flops_per_item for s in stages),
             bytes_per_item=sum(s.artifact.bytes_per_item for s in stages), dtype=first.dtype,
-            metadata={"stages": [s.artifact.name for s in stages]})
+            metadata={"stages": [s.artifact.name for s in stages]},
+            layouts={**{n: v for n, v in last.layouts.items() if n in last.output_names},
+                     **{n: v for n, v in first.layouts.items() if n in first.input_names}})
         super().__init__(artifact, stages[0].device)
         self.stages = list(stages)
         available = set(first.input_names)

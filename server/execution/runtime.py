@@ -38,7 +38,8 @@ from sixfold.models import DENSE, INDICES, LENGTHS
 from sixfold.server.scheduling.batcher import BatchInfo
 from sixfold.server.scheduling.card_gate import CARD_SCHEDULING, CardGate
 from sixfold.server.execution.card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
-                          expected_card_seconds, one_item)
+                          expected_card_seconds)
+from sixfold.server.execution.card_split import CardSplit
 from sixfold.server.errors import InternalError, ServingError, Unavailable
 from sixfold.server.scheduling.router import LeastLoadedRouter, NoHealthyCard
 
@@ -384,7 +385,9 @@ class PlanRuntime:
     runs: the card stage of chunk k overlaps the host stage of chunk k+1, and the batch's
     latency is its host stage plus the last chunk's card stage rather than the whole batch's.
 
-    A batch of more than ``max_card_rows`` rows is split across cards. So is a batch of at
+    A batch is split only as the card partition's layouts allow (``CardSplit``): a model whose
+    card inputs are ragged, or have no recorded layout, sends every batch to one card whole.
+    Otherwise a batch of more than ``max_card_rows`` rows is split across cards. So is a batch of at
     least 2 x ``min_split_rows`` rows: into equal parts of at least ``min_split_rows`` rows
     (0: split only what a card cannot take), as many as there are cards for it.
     ``card_scheduling`` says which cards those are. "fifo": a ``CardGate`` hands the cards to
@@ -409,6 +412,9 @@ class PlanRuntime:
         self._host_runner = StageRunner(host, max_inline_s)
         self.cards = list(cards)
         self.router = LeastLoadedRouter(len(self.cards))
+        self.card_split = CardSplit(self.cards[0].artifact) if self.cards else None
+        if self.card_split is not None and not self.card_split.splittable:
+            log.warning("%s: %s", self.card_split.name, self.card_split.why_not)
         self.reload_card = reload_card
         self.deadlines = CardDeadlines(card_timeout_multiple, card_timeout_floor_s, card_timeout_s, hedge_fraction)
         if max_card_attempts < 1 or restart_backoff_s < 0:
@@ -636,7 +642,7 @@ class PlanRuntime:
         card = self.cards[healthy[0]]
         part = -(-rows // max(1, parts))
         # NOTE: views of the first part's rows: the cost model reads shapes and byte counts only
-        inputs = {n: card_inputs[n][:card_inputs[n].shape[0] // rows * part] for n in card.input_names}
+        inputs = self._card_split().head({n: card_inputs[n] for n in card.input_names}, rows, part)
         pace = sum(self.pace(i) for i in healthy) / len(healthy)
         return expected_card_seconds(card, part, inputs) * pace
 
@@ -659,6 +665,8 @@ class PlanRuntime:
 
     def _parts(self, rows: int, free: int) -> int:
         """Sub-batches for a batch of ``rows`` rows when ``free`` cards are its to use."""
+        if self.card_split is not None and not self.card_split.splittable:
+            return 1  # its layouts say it cannot be cut between items (CardSplit.why_not)
         need = 1 if self.max_card_rows is None else -(-rows // self.max_card_rows)
         if self._can_fall_back and not any(load.healthy for load in self.router.loads):
             return 1  # every card is out: the whole batch goes to the host at once
@@ -672,9 +680,9 @@ class PlanRuntime:
 
         ``part_done()`` is called as each part finishes (answered or failed).
 
-        Each card input splits in proportion to its rows per item (1 for dense
-        features, T for pooled embeddings laid out [N * T, D]); outputs concatenate.
-        Equal parts, not full ones and a remainder: the batch is done when its largest part is.
+        Each card input splits at its rows per item as the plan's layouts say (1 for dense
+        features, T for pooled embeddings laid out [N * T, D]; ``CardSplit``), never by
+        divisibility; outputs concatenate. Equal parts, not full ones and a remainder: the batch is done when its largest part is.
         """
         async def part(piece: Arrays, count: int) -> tuple[int, Arrays]:
             try:
@@ -685,21 +693,17 @@ class PlanRuntime:
 
         if parts == 1:
             return await part(card_inputs, rows)
-        names = self.cards[0].input_names
-        per_item = {}
-        for name in names:
-            length = card_inputs[name].shape[0]
-            if length % rows:
-                raise InternalError(f"cannot split card input '{name}' ({length} rows) into items of a "
-                                    f"{rows}-item batch")
-            per_item[name] = length // rows
         base, extra = divmod(rows, parts)
         ends = np.cumsum([base + 1] * extra + [base] * (parts - extra)).tolist()
         bounds = list(zip([0, *ends[:-1]], ends))
-        pieces = [{n: card_inputs[n][a * per_item[n]:b * per_item[n]] for n in names} for a, b in bounds]
+        pieces = self._card_split().pieces({n: card_inputs[n] for n in self.cards[0].input_names}, rows, bounds)
         results = await asyncio.gather(*(part(piece, b - a) for piece, (a, b) in zip(pieces, bounds)))
         outputs = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         return results[0][0], outputs
+
+    def _card_split(self) -> CardSplit:
+        assert self.card_split is not None, "a runtime without cards splits nothing"
+        return self.card_split
 
     async def _card_stage(self, card_inputs: Arrays, rows: int) -> tuple[int, Arrays]:
         """The batch's dense part on a card, hedged, retried, or on the host: -> (card index or -1, outputs).
@@ -917,8 +921,11 @@ class PlanRuntime:
             return None
         inputs, rows = self._probe
         card = self.cards[index]
-        sample = one_item({n: inputs[n] for n in card.input_names}, rows)
-        limit = self.deadlines.hang_after(expected_card_seconds(card, 1, sample))
+        # NOTE: one item when the layouts say where it ends, else the whole batch (never a guessed slice)
+        items = 1 if self._card_split().splittable else rows
+        sample = {n: np.ascontiguousarray(a) for n, a in
+                  self._card_split().head({n: inputs[n] for n in card.input_names}, rows, items).items()}
+        limit = self.deadlines.hang_after(expected_card_seconds(card, items, sample))
         try:
             await _within(card.infer(sample), limit)
         except asyncio.TimeoutError:

@@ -139,7 +139,7 @@ def _read_artifact(folder: Path, plan: PartitionPlan, info) -> PartitionArtifact
     common = dict(name=info.name, input_names=tuple(t.name for t in info.inputs),
                   output_names=tuple(t.name for t in info.outputs), param_bytes=info.param_bytes,
                   flops_per_item=info.flops_per_item, bytes_per_item=info.bytes_per_item,
-                  dtype=getattr(info, "dtype", "fp32"))
+                  dtype=getattr(info, "dtype", "fp32"), layouts=info.layouts())
     if where.is_dir():  # row-wise tables for the host-embedding stage
         return PartitionArtifact(format="tables", payload=str(where),
                                  metadata={"precision": plan.tables.get("precision", "fp32")}, **common)
