@@ -38,6 +38,13 @@ or admits stays pinned until the batch ends), and a missed row that a later run
 reads again is admitted whatever the policy says, so each distinct missed row of
 the batch is read from disk once (unless no unpinned slot is left to keep it in).
 
+Files changed under the store: each table file's identity (device, inode, size, modification
+time) is taken when it is opened, and every batch that reads rows from a file checks that file's
+identity again after its reads (one ``stat`` per table read). A file overwritten in place or
+replaced by another would mix rows of two versions in one model; from the first batch that sees
+it, every lookup fails with ``TableChanged`` naming the file (the server answers UNAVAILABLE) until
+the model is loaded again.
+
 Reads: files are opened with ``O_DIRECT`` where the file system allows it (no page
 cache: the budget is the memory), else buffered with ``POSIX_FADV_DONTNEED`` after
 each batch. ``sixfold.backends.host.pread`` does the reads (a C helper through ctypes, no GIL).
@@ -45,6 +52,7 @@ each batch. ``sixfold.backends.host.pread`` does the reads (a C helper through c
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -61,7 +69,8 @@ import numpy as np
 
 from sixfold.backends.host import pread
 
-__all__ = ["TieredRows", "RowOverlay", "TableFile", "TableMemoryError", "TableReadError", "TooManyMisses", "CacheStats",
+__all__ = ["TieredRows", "RowOverlay", "TableFile", "TableMemoryError", "TableReadError", "TableChanged", "TooManyMisses",
+           "CacheStats",
            "split_budget", "parse_bytes", "parse_table_memory", "open_table_file", "POLICIES", "READ_BUCKETS"]
 
 log = logging.getLogger(__name__)
@@ -123,6 +132,10 @@ class TableMemoryError(ValueError):
 
 class TableReadError(OSError):
     """A row read failed (I/O error or a file shorter than its header says): the batch fails, the store stays."""
+
+
+class TableChanged(TableReadError):
+    """A table file changed (size, modification time or inode) since the store opened it: reload the model."""
 
 
 class TooManyMisses(Exception):
@@ -289,6 +302,10 @@ class TieredRows:
             self._fds.append(fd)
         if self.direct and not all(_is_direct(fd) for fd in self._fds):
             self.direct = False
+        self._identity = [_identity(os.fstat(fd)) for fd in self._fds]
+        """Each file as opened: (device, inode, size, mtime ns); a batch's reads compare the path's to it."""
+        self.changed: str | None = None
+        """Set by the first batch that found a file changed (what changed): every lookup fails until reloaded."""
         log.info("tiered rows: %d tables, %s on disk, budget %s: %d cache slots (%.1f%% of rows), %d staging "
                  "rows, policy %s, %s reads, %s", len(self.tables), _fmt(self.table_bytes), _fmt(budget),
                  self.slots, 100 * self.slots / self.total_rows, self.staging_rows, policy,
@@ -340,11 +357,14 @@ class TieredRows:
                     break
                 buf = np.empty((part.shape[0], self.width), self.dtype)
                 bounds = np.searchsorted(part, self.table_starts)
+                read = []
                 for t, table in enumerate(self.tables):
                     a, b = int(bounds[t]), int(bounds[t + 1])
                     if a < b:
                         offsets = table.offset + (part[a:b] - self.table_starts[t]) * self.row_bytes
                         pread.gather(self._fds[t], offsets, self.row_bytes, buf[a:b], span)
+                        read.append(t)
+                self._check_unchanged(read)
                 overlay = self.overlay
                 if overlay is not None and overlay.rows.shape[0]:  # rows a table delta replaced: not the files'
                     mine = overlay.holds(part)
@@ -405,6 +425,8 @@ class TieredRows:
         Raises TooManyMisses (nothing changed) when the distinct misses exceed the staging rows,
         TableReadError when a read fails (the cache stays consistent; the batch fails).
         """
+        if self.changed is not None:
+            raise TableChanged(errno.ESTALE, self.changed)
         rows = np.asarray(rows, dtype=np.int64)
         n = rows.shape[0]
         split = self._split
@@ -534,6 +556,8 @@ class TieredRows:
                 raise TableReadError(exc.errno or 5, f"reading {b - a} rows of table file {str(path)!r}: "
                                      f"{exc.strerror or exc}") from exc
 
+        if self.changed is not None:
+            raise TableChanged(errno.ESTALE, self.changed)
         if self._pool is None or len(jobs) == 1:
             for job in jobs:
                 run(job)
@@ -542,6 +566,7 @@ class TieredRows:
             failed = [e for e in errors if e is not None]
             if failed:
                 raise failed[0]
+        self._check_unchanged(sorted({job[0] for job in jobs}))
         if not self.direct:
             for fd in self._fds:  # NOTE: keep the page cache out of it: the budget is the memory
                 try:
@@ -551,6 +576,25 @@ class TieredRows:
         elapsed = time.perf_counter() - start
         self.stats.read_seconds += elapsed
         self.stats.read_buckets[bisect.bisect_left(READ_BUCKETS, elapsed)] += 1
+
+    def _check_unchanged(self, tables: list[int]) -> None:
+        """TableChanged (kept: every later lookup fails too) when one of ``tables``' files is not the one opened."""
+        for t in tables:
+            path = self.tables[t].path
+            try:
+                now = _identity(os.stat(path))
+            except OSError as exc:
+                now = (exc.strerror or str(exc),)
+            was = self._identity[t]
+            if now == was:
+                continue
+            what = ("is gone: " + now[0] if len(now) == 1 else
+                    ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("device", "inode", "bytes", "mtime_ns"),
+                                                                         was, now) if a != b))
+            self.changed = (f"table file {str(path)!r} changed under the server since it was opened ({what}); "
+                            f"load the model again to serve its new rows")
+            log.error("%s", self.changed)
+            raise TableChanged(errno.ESTALE, self.changed)
 
     def _admit(self, uniq: np.ndarray, staged: np.ndarray, tick: int, keep: np.ndarray | None = None) -> np.ndarray:
         """Put some of this batch's misses into cache slots (policy), evicting by CLOCK; returns the slots filled.
@@ -664,6 +708,11 @@ class RowOverlay:
         for s in np.unique(src).tolist():
             mine = src == s
             out[where[mine]] = self.sources[s][pos[mine]]
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """What says a table file is the one opened: device, inode, size and modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _is_direct(fd: int) -> bool:
