@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -23,8 +24,8 @@ from sixfold.partitioner.cli import (DefaultsHelpFormatter, OneLineParser, Usage
 
 from sixfold.server.memory.allocator import keep_freed_memory
 from sixfold.server.app import ServerConfig, SixfoldServer, check_ports
-from sixfold.server.scheduling.batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US,
-                      BatchingConfig)
+from sixfold.server.scheduling.batcher import (DEFAULT_NO_WAIT_ROWS, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WORK_MS,
+                                              DEFAULT_TIMEOUT_US, SLA_P99_MS, BatchingConfig)
 from sixfold.server.core import InferenceCore
 from sixfold.server.transport.limits import TransportLimits
 from sixfold.server.errors import ServingError
@@ -226,7 +227,9 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--metrics-token-file", metavar="PATH",
                      help="read --metrics-token from the first line of PATH (kept out of the process list)")
     cards = p.add_argument_group("cards and placement")
-    cards.add_argument("--cards", type=int, default=6, help="accelerator cards (default 6)")
+    cards.add_argument("--cards", type=int, default=None,
+                       help="accelerator cards (default 6; with --model-repository, each version is served on its "
+                            "plan's cards, and a count or --card-spec that differs from them is refused)")
     cards.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
     cards.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                        help="option for the card backend, value read as JSON when it parses (repeatable)")
@@ -307,16 +310,20 @@ def _parser() -> argparse.ArgumentParser:
                           help="batches running at once per model (0: cards + 1)")
     batching.add_argument("--max-queue-size", type=int, default=256,
                           help="requests waiting at most; more get RESOURCE_EXHAUSTED at once (0: unbounded)")
-    batching.add_argument("--max-queue-work-ms", type=float, default=DEFAULT_QUEUE_WORK_MS,
+    batching.add_argument("--p99-ms", type=float, default=None, metavar="MS",
+                          help=f"the p99 latency this deployment promises (default {SLA_P99_MS:g}: MLPerf DLRM's); "
+                               "the work bound defaults to half of it and the queue timeout to at least 4x it, so a "
+                               "loose SLA queues deeper instead of refusing (docs/admission.md)")
+    batching.add_argument("--max-queue-work-ms", type=float, default=None,
                           help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it (its own not "
-                               f"counted) would take longer than this to serve (default {DEFAULT_QUEUE_WORK_MS:g}: a "
-                               "60 ms p99 SLA's queue budget; 0: off)")
+                               "counted) would take longer than this to serve (default: half of --p99-ms, "
+                               f"{DEFAULT_QUEUE_WORK_MS:g} at the default SLA; 0: off)")
     batching.add_argument("--max-queue-bytes-mb", type=int, default=DEFAULT_QUEUE_BYTES >> 20,
                           help=f"MiB of inputs queued requests may hold (default {DEFAULT_QUEUE_BYTES >> 20}; "
                                "0: unbounded)")
-    batching.add_argument("--default-timeout-us", type=int, default=DEFAULT_TIMEOUT_US,
+    batching.add_argument("--default-timeout-us", type=int, default=None,
                           help="drop a request still queued after this long with DEADLINE_EXCEEDED "
-                               f"(default {DEFAULT_TIMEOUT_US}; 0: only client deadlines)")
+                               f"(default {DEFAULT_TIMEOUT_US}, or 4x --p99-ms if longer; 0: only client deadlines)")
     batching.add_argument("--priority-levels", type=int, default=0,
                           help="request priority levels (1 = highest; 0: priorities off)")
     batching.add_argument("--default-priority-level", type=int, default=0,
@@ -452,6 +459,18 @@ def _token_env(args: argparse.Namespace) -> dict[str, str | None]:
     return {env: getattr(args, f"{kind}_token") for kind, _, env in _TOKENS}
 
 
+def _apply_sla(args: argparse.Namespace) -> None:
+    """The admission knobs not given, from the SLA (``--p99-ms``): the work bound is half of it (the other half is
+    the batching window and a large query's own service; 30 ms at MLPerf's 60), the queue timeout at least 4x it."""
+    if args.p99_ms is not None and not (math.isfinite(args.p99_ms) and args.p99_ms > 0):
+        raise UsageError(f"--p99-ms {args.p99_ms:g}: give the p99 latency the deployment promises, in ms (> 0)")
+    p99 = SLA_P99_MS if args.p99_ms is None else args.p99_ms
+    if args.max_queue_work_ms is None:
+        args.max_queue_work_ms = DEFAULT_QUEUE_WORK_MS * p99 / SLA_P99_MS
+    if args.default_timeout_us is None:
+        args.default_timeout_us = max(DEFAULT_TIMEOUT_US, int(4 * p99 * 1e3))
+
+
 def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
     """Every mistake that can be seen in a moment, before partitioning and loading (seconds to minutes):
     the flags that go together, the files, the backend, the specs, TLS, and the ports. UsageError (or
@@ -459,7 +478,7 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
     if args.model and args.model not in models.names():
         raise UsageError(f"--model {args.model}: unknown model {args.model!r}; built-in models: "
                          f"{', '.join(models.names())} (or --model-repository REPO for your own)")
-    if args.model and args.cards < 1:
+    if args.cards is not None and args.cards < 1:
         raise UsageError(f"--cards {args.cards}: the dense partition needs at least 1 card")
     if args.model_control_mode == "explicit" and not args.control_token and not args.insecure_model_control:
         raise UsageError("--model-control-mode explicit lets clients load and unload models: give --control-token-file "
@@ -469,6 +488,7 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
                         "the folder sixfold-partition --out wrote into (REPO/NAME/VERSION/plan.json)")
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds:g}: give 0 or more seconds")
+    _apply_sla(args)
     if args.watch_deltas:
         if not args.model_repository:
             raise UsageError("--watch-deltas needs --model-repository (deltas are persisted in the version folders)")
@@ -608,7 +628,13 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
     from sixfold.server.loading.loader import load_builtin, load_from_repository
     from sixfold.server.loading.model_control import ModelControl
     from sixfold.server.loading.repository import ModelRepository
+    from sixfold.backends.spec_catalog import load_spec
 
+    # what a repository version's plan must agree with (None: not given; sixfold.server.loading.card_flags)
+    given_cards = args.cards
+    given_spec = load_spec(args.card_spec).name if args.card_spec is not None else None
+    if args.cards is None:
+        args.cards = 6
     if args.card_spec is None:
         args.card_spec = _default_card_spec(args.backend)
     workers = _worker_set(args.as_worker)
@@ -658,6 +684,7 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
 
         def load(repo: ModelRepository, name: str, version: str):
             return load_from_repository(repo, name, version, backend=args.backend, metrics=metrics,
+                                        cards=given_cards, card_spec=given_spec,
                                         batching=batching, backend_options=backend_options,
                                         max_card_rows=args.max_card_batch_rows or None,
                                         host_dense_max_rows=args.host_dense_max_rows,

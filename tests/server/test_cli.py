@@ -342,3 +342,32 @@ def test_workers_get_the_tokens_in_their_environment_not_their_argv(tmp_path) ->
             assert response.status == 200
     finally:
         serve.kill()
+
+
+def test_the_sla_sets_the_admission_defaults_and_flags_given_win() -> None:
+    from sixfold.server.cli import _apply_sla, _parser as build_parser
+
+    def resolved(*argv: str) -> tuple[float, int]:
+        args = build_parser().parse_args(["--model", "tiny", *argv])
+        _apply_sla(args)
+        return args.max_queue_work_ms, args.default_timeout_us
+
+    assert resolved() == (30.0, 1_000_000)  # MLPerf's 60 ms: the defaults as they were
+    assert resolved("--p99-ms", "250") == (125.0, 1_000_000)
+    assert resolved("--p99-ms", "500") == (250.0, 2_000_000)
+    assert resolved("--p99-ms", "500", "--max-queue-work-ms", "0", "--default-timeout-us", "0") == (0.0, 0)
+
+
+def test_a_served_sla_shows_in_the_model_config_and_a_bad_one_is_refused() -> None:
+    result = subprocess.run([str(SERVE), "--model", "tiny", "--p99-ms", "-5", "--grpc-port", "0", "--metrics-port", "-1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--p99-ms -5" in result.stderr, result.stderr
+    serve = ServeProcess("--model", "tiny", "--p99-ms", "500", "--grpc-port", "0", "--http-port", "-1",
+                         "--metrics-port", "-1")
+    try:
+        assert serve.url, serve.output
+        with tc.InferenceServerClient(serve.url) as client:
+            config = client.get_model_config("tiny").config
+        assert config.dynamic_batching.default_queue_policy.default_timeout_microseconds == 2_000_000
+    finally:
+        serve.kill()
