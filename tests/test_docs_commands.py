@@ -106,6 +106,10 @@ RUN = (
 # Why the other sixfold lines are parsed only: (page, or "*" for any; the command's start; why). First match.
 PARSE_ONLY = (
     ("docs/vendor.md", "", "walked through by tests/backends/test_vendor_page.py, the example backend installed"),
+    ("docs/bring-your-own-model.md", "sixfold-partition onehot.pt2", "step 6, run by "
+     "tests/partitioner/test_cross_cut_examples.py (the .pt2 files are made by the page's Python)"),
+    ("docs/bring-your-own-model.md", "sixfold-partition pooled.pt2", "step 6, run by "
+     "tests/partitioner/test_cross_cut_examples.py (the .pt2 files are made by the page's Python)"),
     ("docs/bring-your-own-model.md", "", "walked through by tests/server/test_bring_your_own_model.py"),
     ("README.md", "python -m sixfold.backends.conformance mycard", "the reader's own backend (docs/vendor.md's "
      "walkthrough runs the kit on the example one)"),

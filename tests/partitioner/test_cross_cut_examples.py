@@ -108,3 +108,13 @@ def test_eight_concurrent_clients_get_their_own_models_answers(served) -> None:
     assert worst < 1e-5, worst
     log = "".join(process.lines)
     assert "out of rotation" not in log and "cannot split" not in log, log[-2000:]
+
+
+def test_the_vendor_page_documents_every_layout_field() -> None:
+    import dataclasses
+
+    from sixfold.backends.api import TensorLayout
+    page = (DOC.parent / "vendor.md").read_text()
+    for field in dataclasses.fields(TensorLayout):
+        assert f"| `{field.name}` |" in page, field.name
+    assert "artifact.layouts" in page and "`unsplittable`" in page
