@@ -13,6 +13,7 @@ drops, requests succeed at once. With admission by work (``max_queue_work_ms``) 
 admitted p99 is about the work bound plus one batch's service time under load.
 
     .venv/bin/python bench/overload.py                 # rm2 on 6 simcards in a child process, 30 s at 3x
+    .venv/bin/python bench/overload.py --mlperf --plot runs/overload-rss.png   # MLPerf sizes, RSS over time
     .venv/bin/python bench/overload.py --url 127.0.0.1:8001 --model rm2 --pid 12345 --duration 30
 
 By default the started server's simcards are throttled (``--slow-factor 5000``)
@@ -22,6 +23,12 @@ load. With unthrottled cards and large rm2 queries (``--slow-factor 1
 the gRPC/event-loop layer first: requests (~1.5 MB each) pile up before they
 reach the batcher, so refusals come late and RSS grows; that needs admission
 control in the transport, not in the batcher.
+
+``--mlperf`` is that case at MLPerf DLRM's query sizes (100-700 items; ~8.6 MB per rm2 query at
+120 lookups per table): unthrottled cards, batches of up to 1024 items, and the transports' receive
+budget (``--max-queue-bytes-mb``, docs/serving.md "Limits") bounding what is buffered before admission.
+The server's RSS is sampled every 0.2 s (``rss_timeline``) and ``--plot`` draws it against the bound
+idle + queue bytes + fixed overhead. Issue 33 saw RSS reach 15 GB (OOM) at 3x before that budget.
 
 ``tests/server/scheduling/test_overload.py`` runs the same phases for 8 s.
 """
@@ -40,6 +47,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# NOTE: run as a script, bench/ is sys.path[0], and bench/triton (the Triton peer) would shadow the
+# triton package torch.export imports; the repository root is enough for bench.* imports.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -83,6 +93,8 @@ class OverloadResult:
     goodput_qps: float = 0.0
     rss_mb: dict[str, float] = field(default_factory=dict)
     """Server RSS before the overload, at its peak, and after recovery."""
+    rss_timeline: list[tuple[float, float]] = field(default_factory=list)
+    """(seconds since the overload began, server RSS in MiB), every 0.2 s during it."""
     recovery_ms: list[float] = field(default_factory=list)
     recovery_errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -91,9 +103,14 @@ class OverloadResult:
         return asdict(self)
 
 
-async def _sample_rss(pid: int | None, peak: list[float], stop: asyncio.Event) -> None:
+async def _sample_rss(pid: int | None, peak: list[float], stop: asyncio.Event,
+                      timeline: list[tuple[float, float]] | None = None) -> None:
+    started = time.monotonic()
     while not stop.is_set():
-        peak[0] = max(peak[0], rss_mb(pid))
+        now = rss_mb(pid)
+        peak[0] = max(peak[0], now)
+        if timeline is not None:
+            timeline.append((round(time.monotonic() - started, 2), round(now, 1)))
         try:
             await asyncio.wait_for(stop.wait(), 0.2)
         except asyncio.TimeoutError:
@@ -122,7 +139,7 @@ async def run_overload(url: str, model: str, *, factor: float = 3.0, duration_s:
         schedule = plan_run(config, target.shape, target.transport.prepare)
         before = rss_mb(pid)
         peak, stop = [before], asyncio.Event()
-        sampler = asyncio.ensure_future(_sample_rss(pid, peak, stop))
+        sampler = asyncio.ensure_future(_sample_rss(pid, peak, stop, result.rss_timeline))
         record, _, _ = await drive(config, schedule, target.transport, clock=clock)
         stop.set()
         await sampler
@@ -157,7 +174,8 @@ async def run_overload(url: str, model: str, *, factor: float = 3.0, duration_s:
     return result
 
 
-def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_options: dict[str, Any], conn: Any) -> None:
+def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_options: dict[str, Any], conn: Any,
+                 max_rows: int = 2000) -> None:
     """In a child process: serve ``model`` on simcards, send the URL up ``conn``, serve until told to stop."""
     from sixfold.partitioner.compile import partition_builtin
     from sixfold.server.app import BackgroundServer, ServerConfig
@@ -165,14 +183,16 @@ def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_optio
     from sixfold.server.core import InferenceCore
     from sixfold.server.loading.loader import load_partitioned
     from sixfold.server.observability.metrics import ServerMetrics
+    from sixfold.server.transport.limits import TransportLimits
 
-    _, partitioned = partition_builtin(model, max_rows=2000, seed=3, cards=cards)
+    _, partitioned = partition_builtin(model, max_rows=max_rows, seed=3, cards=cards)
     metrics = ServerMetrics()
     # NOTE: no host-dense fallback: with throttled cards the host would take the small batches,
     # and the cards would never become the bottleneck this harness is about.
     served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=BatchingConfig(**batching),
                               backend_options=backend_options, host_dense_max_rows=0)
-    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None),
+    limits = TransportLimits(receive_bytes=served.batcher.config.max_queue_bytes)  # as sixfold-serve sizes it
+    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None, limits=limits),
                                   metrics).start()
     conn.send(background.url)
     try:
@@ -192,14 +212,14 @@ class ServerProcess:
     """
 
     def __init__(self, model: str = "rm2", *, cards: int = 6, batching: dict[str, Any] | None = None,
-                 slow_factor: float = 1.0, start_timeout_s: float = 180.0) -> None:
+                 slow_factor: float = 1.0, start_timeout_s: float = 180.0, max_rows: int = 2000) -> None:
         import multiprocessing
 
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
         options = {"faults": {"slow_factor": slow_factor}} if slow_factor != 1.0 else {}
-        self.process = spawn.Process(target=_serve_child, args=(model, cards, dict(batching or {}), options, child),
-                                     daemon=True)
+        self.process = spawn.Process(target=_serve_child, args=(model, cards, dict(batching or {}), options, child,
+                                                                max_rows), daemon=True)
         self.start_timeout_s = start_timeout_s
         self.url = ""
 
@@ -236,6 +256,37 @@ class ServerProcess:
             self.process.join(10)
 
 
+def plot_rss(result: OverloadResult, path: str, *, queue_bytes_mb: float, overhead_mb: float,
+             title: str = "") -> None:
+    """RSS over the overload against idle + queue bytes + fixed overhead (docs/serving.md, "Limits")."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x for x, _ in result.rss_timeline]
+    rss = [y for _, y in result.rss_timeline]
+    idle = result.rss_mb.get("before", rss[0] if rss else 0.0)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(t, rss, label="server RSS")
+    ax.axhline(idle, color="grey", linestyle=":", label=f"idle {idle:.0f} MiB")
+    ax.axhline(idle + queue_bytes_mb + overhead_mb, color="red", linestyle="--",
+               label=f"bound: idle + {queue_bytes_mb:.0f} (queue) + {overhead_mb:.0f} (overhead) MiB")
+    ax.set_xlabel("seconds into the overload")
+    ax.set_ylabel("MiB")
+    ax.set_title(title or f"{result.offered_qps:g} q/s offered, {result.goodput_qps:g} q/s answered")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+OVERHEAD_MB = 512.0
+"""The fixed overhead docs/serving.md states above idle + queue bytes: batch buffers of up to
+--max-batch-rows items per running batch, encoded responses, allocator slack."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="drive this server (HOST:PORT) instead of starting one (rm2 on simcards)")
@@ -257,8 +308,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-qps", type=float, help="skip the capacity phase and take this")
     p.add_argument("--query-size", default="uniform:1-8", help="loadgen query size spec (default uniform:1-8)")
     p.add_argument("--probes", type=int, default=10, help="recovery requests after the overload (default 10)")
+    p.add_argument("--mlperf", action="store_true",
+                   help="MLPerf DLRM query sizes (100-700 items) on unthrottled cards, batches up to 1024 items; "
+                        "records RSS over time")
+    p.add_argument("--max-rows", type=int, default=2000,
+                   help="rows per table of the started server (default 2000; the issue's runs: 50000)")
+    p.add_argument("--plot", help="draw the server's RSS over the overload into this PNG")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
+    if args.mlperf:  # flags left at their defaults take the MLPerf case's
+        defaults = {"query_size": ("uniform:1-8", "mlperf"), "slow_factor": (5000.0, 1.0),
+                    "max_batch_rows": (32, 1024), "max_queue_size": (32, 256)}
+        for name, (default, mlperf) in defaults.items():
+            if getattr(args, name) == default:
+                setattr(args, name, mlperf)
     def go(url: str, pid: int | None) -> OverloadResult:
         return asyncio.run(run_overload(url, args.model, factor=args.factor, duration_s=args.duration,
                                         query_size=args.query_size, pid=pid, capacity_qps=args.capacity_qps,
@@ -274,13 +337,18 @@ def main(argv: list[str] | None = None) -> int:
                                                       args.max_queue_bytes_mb << 20)):
             if value is not None:
                 batching[key] = value
-        with ServerProcess(args.model, cards=args.cards, batching=batching, slow_factor=args.slow_factor) as server:
+        with ServerProcess(args.model, cards=args.cards, batching=batching, slow_factor=args.slow_factor,
+                           max_rows=args.max_rows) as server:
             result = go(server.url, server.pid)
             if not server.alive:
                 print("overload: the server process died", file=sys.stderr)
                 return 1
     data = result.to_dict()
-    print(json.dumps(data, indent=2))
+    if args.plot:
+        from sixfold.server.scheduling.batcher import DEFAULT_QUEUE_BYTES
+        queue_mb = args.max_queue_bytes_mb if args.max_queue_bytes_mb is not None else DEFAULT_QUEUE_BYTES >> 20
+        plot_rss(result, args.plot, queue_bytes_mb=queue_mb, overhead_mb=OVERHEAD_MB)
+    print(json.dumps({k: v for k, v in data.items() if k != "rss_timeline"}, indent=2))
     if args.json:
         write_json(args.json, data)
     return 0
