@@ -22,6 +22,7 @@ from sixfold.server.scheduling.batcher import BatchingConfig, DynamicBatcher
 from sixfold.server.execution.dense_loader import PipelineExecutable, load_dense
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.model.served import ServedModel
+from sixfold.server.loading.card_flags import check_card_flags
 from sixfold.server.loading.model_config import settings_from_proto
 from sixfold.server.loading.repository import CONFIG_FILE, ModelRepository
 from sixfold.server.execution.runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
@@ -269,8 +270,12 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
                          table_memory: int | float | None = None, cache_policy: str = "tinylfu",
                          host_chunk_rows: int = 0, warm_from: str | Path | None = None,
                          card_scheduling: str = DEFAULT_CARD_SCHEDULING,
-                         cache_dir: str | Path | None = None) -> ServedModel:
+                         cache_dir: str | Path | None = None, cards: int | None = None,
+                         card_spec: str | None = None) -> ServedModel:
     """Load version ``version`` of repository model ``name`` (served under the folder's name).
+
+    ``cards``/``card_spec`` (sixfold-serve's ``--cards``/``--card-spec``, None: not given) must
+    agree with the version's plan, else the load is refused (``card_flags.check_card_flags``).
 
     The model's config.pbtxt, when it has one, overrides the server-wide settings
     given here: its ``dynamic_batching`` replaces ``batching``, and its
@@ -285,6 +290,7 @@ def load_from_repository(repository: ModelRepository, name: str, version: str, *
     if "warm_from" in extras:
         warm_from = repository.model_dir(name) / extras["warm_from"] if extras["warm_from"] else None
     read = repository.read(name, version)
+    check_card_flags(read.plan, name, version, cards=cards, card_spec=card_spec)
     served = load_partitioned(
         read, backend=extras.get("backend", backend), metrics=metrics, batching=batching, version=version, name=name,
         backend_options=extras.get("backend_options", backend_options),
