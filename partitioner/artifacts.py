@@ -5,6 +5,9 @@
     DIR/tables/table_NNN.npy  a table-batched host stage: one file per table, memory-mappable
     DIR/host.pt2            any other torch host stage, as a torch.export archive
     DIR/host.onnx           an ONNX model's host stage (tables, lookups, pooling), for onnxruntime
+
+DIR is written whole or not at all (``sixfold.partitioner.tables.staging``): into a temporary
+sibling renamed into place, so a full disk or a kill leaves the old folder or none, never half.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from sixfold.backends.host.derived_cache import write_npy
 from sixfold.partitioner.tables.checksums import table_checksums
+from sixfold.partitioner.tables.staging import staged
 from sixfold.partitioner.partitioned import HOST_PARTITION, PartitionedModel
 from sixfold.partitioner.frontends.host_export import export_host_program
 from sixfold.partitioner.tables.probe import table_batched
@@ -22,9 +27,17 @@ __all__ = ["write_artifacts"]
 
 
 def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
-    """Write plan, ONNX and tables under ``out``; returns the plan's path."""
+    """Write plan, ONNX and tables under ``out`` (whole or not at all); returns the plan's path.
+
+    OSError (a full disk: naming ``out`` and the file) leaves ``out`` as it was.
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged(out) as tmp:
+        _write(partitioned, tmp)
+    return out / "plan.json"
+
+
+def _write(partitioned: PartitionedModel, out: Path) -> Path:
     plan = partitioned.plan
     for stage in plan.dense_stages():  # "dense", or pipeline stages "dense.0", "dense.1", ...
         (out / f"{stage}.onnx").write_bytes(partitioned.artifacts[stage].payload)
@@ -46,7 +59,8 @@ def write_artifacts(partitioned: PartitionedModel, out: str | Path) -> Path:
         # One table-batched lookup: one file per table, so a table can be mapped, sharded or replaced alone.
         (out / "tables").mkdir(parents=True, exist_ok=True)
         for t, table in enumerate(tables if tables is not None else _fused_tables(host_module, rows)):
-            np.save(out / "tables" / f"table_{t:03d}.npy", table)
+            # NOTE: allocated before written, no memory map: a full disk is an OSError naming the file and bytes
+            write_npy(out / "tables" / f"table_{t:03d}.npy", table.dtype, table.shape, [table])
         plan.partition(HOST_PARTITION).artifact = "tables/"
         plan.partition(HOST_PARTITION).format = "tables"
         plan.tables["checksums"] = table_checksums(out / "tables")  # checked at load (sixfold.partitioner.tables.checksums)

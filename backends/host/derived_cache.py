@@ -118,7 +118,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def write_npy(path: Path, dtype: np.dtype | type, shape: tuple[int, int], chunks: Iterable[np.ndarray]) -> None:
+def write_npy(path: Path, dtype: np.dtype | type, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> None:
     """Write a C-ordered ``.npy`` of ``shape`` from ``chunks`` (rows in order), allocated before written.
 
     The file appears at ``path`` complete or not at all. A full disk or quota is an OSError naming

@@ -224,6 +224,8 @@ class HostEmbeddingStage:
             adjacent = _adjacent_rows([arrays[t] for t in members])
             if adjacent is not None:  # already one buffer (a model's fused weight, sliced per table): use it
                 return [_Group(precision, members, adjacent, offsets)]
+        if len(members) == 1 and (provided := self._provided(precision, members[0], files)) is not None:
+            return [_Group(precision, members, np.load(provided, mmap_mode="r"), offsets)]
         if self._cache:
             weight = self._cached(precision, members, arrays, files)
             if weight is not None:
@@ -231,6 +233,15 @@ class HostEmbeddingStage:
             if precision == "fp32":  # the tables as they are: one kernel call each, zero copies
                 return [g for t in members for g in self._build_groups(precision, [t], arrays, files)]
         return [_Group(precision, members, self._convert(precision, [arrays[t] for t in members], None), offsets)]
+
+    def _provided(self, precision: str, table: int, files: list[Path]) -> Path | None:
+        """The repository's own ``<precision>/table_NNN.npy`` (``tables build`` writes them), when plan.json's
+        checksums list it (so the loader has verified its contents) and its shape fits; else None."""
+        if self.source is None or precision == "fp32" or f"{precision}/{files[table].name}" not in self._fingerprints:
+            return None
+        path = self.source / precision / files[table].name
+        width = bytes_per_row(precision, self.dim) if precision in ("int8", "int4") else self.dim
+        return path if _mapped(path, (self.table_rows[table], width)) is not None else None
 
     def _cache_path(self, precision: str, members: list[int], files: list[Path]) -> Path:
         """Where the derived weight of ``members`` in ``precision`` lives: named by the tables' contents."""
@@ -302,6 +313,9 @@ class HostEmbeddingStage:
 
     def _tiered_file(self, precision: str, table: int, files: list[Path]) -> Path:
         """The converted file a tiered table of ``precision`` reads its rows from (in the cache; written once)."""
+        provided = self._provided(precision, table, files)
+        if provided is not None:
+            return provided
         expected = (self.table_rows[table], bytes_per_row(precision, self.dim) if precision in ("int8", "int4")
                     else self.dim)
         try:

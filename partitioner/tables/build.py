@@ -22,6 +22,7 @@ line: ``sixfold-partition tables build rm2 --out repo/rm2/1`` and
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -95,19 +96,35 @@ class _NpyWriter:
     def __init__(self, path: Path, dtype: Any, shape: tuple[int, int], convert: Callable[[np.ndarray], np.ndarray]):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.convert = path, convert
-        self.tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        self.tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         self.file = open(self.tmp, "wb")
         np.lib.format.write_array_header_1_0(self.file, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                                                          "fortran_order": False, "shape": shape})
         self.dtype = np.dtype(dtype)
         self.pending = 0
+        self.written = self.file.tell()
+        self.total = self.written + shape[0] * shape[1] * self.dtype.itemsize
+        try:  # NOTE: the whole file first: a full disk fails here, naming the bytes, not half-way
+            os.posix_fallocate(self.file.fileno(), 0, self.total)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                self.abort()
+                raise self._error(exc) from None
+
+    def _error(self, exc: OSError) -> OSError:
+        return OSError(exc.errno, f"writing {str(self.path)!r}: {exc.strerror or exc} ({self.total} bytes needed, "
+                                  f"{self.written} written)")
 
     def write(self, chunk: np.ndarray) -> None:
         data = np.ascontiguousarray(self.convert(chunk), dtype=self.dtype)
-        self.file.write(memoryview(data).cast("B"))
-        self.pending += data.nbytes
-        if self.pending >= 64 << 20:
-            self._drop()
+        try:
+            self.file.write(memoryview(data).cast("B"))
+            self.written += data.nbytes
+            self.pending += data.nbytes
+            if self.pending >= 64 << 20:
+                self._drop()
+        except OSError as exc:
+            raise self._error(exc) from None
 
     def _drop(self) -> None:
         self.file.flush()
@@ -120,8 +137,11 @@ class _NpyWriter:
         self.pending = 0
 
     def commit(self) -> None:
-        self._drop()
-        self.file.close()
+        try:
+            self._drop()
+            self.file.close()
+        except OSError as exc:
+            raise self._error(exc) from None
         os.replace(self.tmp, self.path)  # atomic: a reader sees no half-written table
 
     def abort(self) -> None:
@@ -165,24 +185,28 @@ def build_streamed(name: str, out: str | Path, *, seed: int = 0, cards: int = 6,
     from sixfold.partitioner.compile import partition_builtin
     from sixfold.partitioner.partitioned import HOST_PARTITION
 
+    from sixfold.partitioner.tables.staging import staged
+
     out = Path(out)
     config = models.get_config(name, max_rows=max_rows)
     small = min(1000, *config.table_rows)
     _, partitioned = partition_builtin(name, max_rows=small, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=precision)
-    write_artifacts(partitioned, out)
-    tables = out / "tables"
-    for p in tables.glob("**/table_*.npy"):
-        p.unlink()
-    rows, dim = list(config.table_rows), config.embedding_dim
-    advance, stop = _progress(sum(rows) * dim * 4, f"{name}: {len(rows)} tables", progress)
-    try:
-        for t, r in enumerate(rows):
-            write_table(tables / f"table_{t:03d}.npy", r, dim, _uniform_chunks(r, dim, seed, t),
-                        precision=precision, packed_only=packed_only, advance=advance)
-    finally:
-        stop()
-    return _finish_plan(out, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+    with staged(out) as folder:  # the version appears whole when every table is written, or not at all
+        write_artifacts(partitioned, folder)
+        tables = folder / "tables"
+        for p in tables.glob("**/table_*.npy"):
+            p.unlink()
+        rows, dim = list(config.table_rows), config.embedding_dim
+        advance, stop = _progress(sum(rows) * dim * 4, f"{name}: {len(rows)} tables", progress)
+        try:
+            for t, r in enumerate(rows):
+                write_table(tables / f"table_{t:03d}.npy", r, dim, _uniform_chunks(r, dim, seed, t),
+                            precision=precision, packed_only=packed_only, advance=advance)
+        finally:
+            stop()
+        _finish_plan(folder, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+    return out / "plan.json"
 
 
 def _finish_plan(out: Path, rows: list[int], dim: int, precision: str, checksums: dict[str, str],

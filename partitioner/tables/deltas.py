@@ -273,7 +273,9 @@ def _dense_files(version_dir: Path) -> dict[str, bytes]:
 
 
 def _write_npy(path: Path, array: np.ndarray) -> dict:
-    np.save(path, array)
+    from sixfold.backends.host.derived_cache import write_npy
+
+    write_npy(path, array.dtype, array.shape, [array])  # a full disk: an OSError naming the file and the bytes
     return {"file": path.name, "checksum": file_checksum(path)}
 
 
@@ -309,8 +311,16 @@ def _chunk_pairs(a: Any, b: Any, chunk_rows: int):
 
 
 def _fresh_stage(out: Path) -> Path:
-    """An empty folder beside ``out`` to write a delta into before it is published whole."""
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    """An empty folder beside ``out`` to write a delta into before it is published whole.
+
+    Hidden (a watched folder skips it) and named by this process, so the temporaries of
+    processes that no longer run are removed here first (a crash's leftovers).
+    """
+    from sixfold.backends.host.derived_cache import remove_stale_temporaries
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out.parent)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp

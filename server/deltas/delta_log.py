@@ -47,12 +47,13 @@ from typing import Any
 import grpc
 import numpy as np
 
+from sixfold.backends.host.derived_cache import remove_stale_temporaries, write_npy
 from sixfold.backends.os_threads import start_worker_thread
 from sixfold.partitioner.tables.deltas import DELTA_FILE, Delta, DeltaError, read_delta, version_fingerprint
 
 from sixfold.server.errors import InvalidInput, ModelNotFound, ServingError, clip, clip_names
 
-__all__ = ["DeltaLog", "DeltaRejected", "DeltaOutOfOrder", "attach", "DeltaWatcher", "delta_request",
+__all__ = ["DeltaLog", "DeltaRejected", "DeltaOutOfOrder", "DeltaNotStored", "attach", "DeltaWatcher", "delta_request",
            "LOG_DIR", "STATE_FILE", "SEQUENCE_PARAMETER"]
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,13 @@ class DeltaOutOfOrder(InvalidInput):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "delta_out_of_order"
+
+
+class DeltaNotStored(ServingError):
+    """A delta whose log entry could not be written (a full disk, a read-only folder): nothing was applied."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "delta_not_stored"
 
 
 class DeltasNeedOneWorker(InvalidInput):
@@ -120,6 +128,8 @@ class DeltaLog:
             raise DeltaRejected(f"model '{served.name}': deltas need a table-batched host stage (tables/); this "
                                 f"model's host stage is {type(served.runtime.host).__name__}")
         self.stage = stage
+        remove_stale_temporaries(self.folder)  # entries a killed process was writing
+        _remove_stale_uploads()
         self.base_fingerprint = version_fingerprint(self.version_dir)
         self.entries: list[_Entry] = []
         self._lock: asyncio.Lock | None = None
@@ -265,9 +275,8 @@ class DeltaLog:
         tmp.mkdir(parents=True)
         try:
             for t, (ids, rows) in updates.items():
-                np.save(tmp / f"table_{t:03d}.ids.npy", ids)
-                np.save(tmp / f"table_{t:03d}.stored.npy", rows)
-                np.save(tmp / f"table_{t:03d}.undo.npy", read_rows(stage, t, ids))
+                for kind, array in (("ids", ids), ("stored", rows), ("undo", read_rows(stage, t, ids))):
+                    write_npy(tmp / f"table_{t:03d}.{kind}.npy", array.dtype, array.shape, [array])
             shutil.copyfile(delta.path / DELTA_FILE, tmp / DELTA_FILE)
             (tmp / "entry.json").write_text(json.dumps({
                 "sequence": delta.sequence, "tables": sorted(updates),
@@ -276,6 +285,10 @@ class DeltaLog:
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash before applied.json named it
             os.replace(tmp, final)
             _fsync_dir(self.folder)
+        except OSError as exc:  # e.g. a full disk: nothing applied, nothing half-written left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DeltaNotStored(f"{delta.path}: not applied: its log entry could not be written to {final}: "
+                                 f"{exc.strerror or exc}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -424,6 +437,28 @@ def delta_request(parameters: Mapping[str, Any]) -> tuple[str, Any] | None:
     return None
 
 
+_UPLOAD_PREFIX = "sixfold-delta-"
+"""Deltas uploaded over RepositoryModelLoad are written to ``$TMPDIR/sixfold-delta-PID-*`` while applied."""
+
+
+def _remove_stale_uploads() -> None:
+    """Remove uploaded-delta folders of processes that no longer run (a kill during an apply leaves one)."""
+    for entry in Path(tempfile.gettempdir()).glob(f"{_UPLOAD_PREFIX}*-*"):
+        pid = entry.name[len(_UPLOAD_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 async def serve_request(core: Any, name: str, request: tuple[str, Any]) -> dict[str, Any]:
     """Carry out ``delta_request``'s answer for model ``name``."""
     if getattr(core, "siblings", None) is not None:
@@ -435,7 +470,7 @@ async def serve_request(core: Any, name: str, request: tuple[str, Any]) -> dict[
         return await rollback(core, name)
     if kind == "apply":
         return await apply(core, name, arg)
-    with tempfile.TemporaryDirectory(prefix="sixfold-delta-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{_UPLOAD_PREFIX}{os.getpid()}-") as tmp:
         for file, content in arg.items():
             if "/" in file or file.startswith(".") or not file:
                 raise InvalidInput(f"RepositoryModelLoad: uploaded file name {clip(repr(file))} must be a plain file name")

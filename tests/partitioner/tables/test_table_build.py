@@ -32,6 +32,12 @@ def test_streamed_build_writes_tables_in_chunks_with_checksums(tmp_path, monkeyp
     ids = np.arange(24, dtype=np.int64)
     np.testing.assert_array_equal(stage.run_numpy(lengths, ids),
                                   HostEmbeddingStage(tables, "int8", cache=False).run_numpy(lengths, ids))
+    # given plan.json's checksums (as the loader does, after checking them), the copies are read as they are
+    served = HostEmbeddingStage(tables, "int8", table_memory=0.5, item_ids=8 * 80,
+                                fingerprints=plan.tables["checksums"])
+    assert [t.path for t in served.stores[0].tables] == [tables / "int8" / f"table_{t:03d}.npy" for t in range(8)]
+    np.testing.assert_array_equal(served.run_numpy(lengths, ids), stage.run_numpy(lengths, ids))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rm1"] and sorted(p.name for p in (tmp_path / "rm1").iterdir()) == ["1"]
 
 
 @pytest.mark.parametrize("form", ["state_dict", "npy"])
@@ -73,3 +79,34 @@ def test_packed_only_tables_serve_like_quantized_fp32(tmp_path, precision):
                   HostEmbeddingStage(packed, precision, table_memory=0.7, item_ids=12)):
         assert stage.dim == 16
         np.testing.assert_array_equal(stage.run_numpy(lengths, ids), want)
+
+
+def _mount_small(where, size: str = "2m") -> None:
+    import subprocess
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                          text=True, timeout=10)
+    if done.returncode:
+        pytest.skip(f"mounting is not allowed here: {done.stderr.strip() or done.returncode}")
+
+
+def test_a_build_into_a_full_disk_leaves_nothing_and_names_the_file(tmp_path):
+    import errno
+    import subprocess
+
+    disk = tmp_path / "disk"
+    _mount_small(disk)
+    try:
+        leftover = disk / "repo" / "rm1" / ".2.tmp999999"  # a crashed build's temporary (no such process)
+        leftover.mkdir(parents=True)
+        with pytest.raises(OSError) as full:
+            table_build.build_streamed("rm1", disk / "repo" / "rm1" / "1", max_rows=4000, cards=2, progress=False,
+                                       precision="fp16")  # 8 x 4000 x 32 x 6 B = 6 MiB: does not
+        assert full.value.errno == errno.ENOSPC
+        message = str(full.value)
+        assert "repo/rm1/1: not written" in message and "table_" in message and "bytes needed" in message
+        assert sorted(p.name for p in (disk / "repo" / "rm1").iterdir()) == []  # no half-built version, no leftover
+        path = table_build.build_streamed("rm1", disk / "repo" / "rm1" / "1", max_rows=500, cards=2, progress=False)
+        verify_tables(path.parent / "tables", PartitionPlan.load(path).tables["checksums"])
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], timeout=10)
