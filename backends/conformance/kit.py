@@ -466,6 +466,16 @@ async def _run_case(backend: Backend, case: Case, spec: DeviceSpec, checks: Sequ
     ctx = _Context(backend, case, spec, timeout_s, atol, report)
     is_op = bool(case.notes.get("op"))
     checks = [c for c in checks if (c == "op") == is_op]
+    art = case.artifact
+    if art.dtype != "fp32" and not backend.supports(art):
+        # A precision the backend declines is never sent to it in serving (the planner asks supports() first,
+        # and keeps that partition on the host); fp32 it must take.
+        for name in ("load", *[c for c in checks if c != "load"]):
+            report.results.append(CheckResult(case.name, name, "declined", 0.0,
+                                              f"supports() is False for {art.dtype} (the {art.format} "
+                                              f"partition {art.name}); a plan of that precision is refused at load on "
+                                              "this backend, naming the formats it takes"))
+        return
     try:
         for name in ("load", *[c for c in checks if c != "load"]):
             if name in _NEEDS_MAIN and ctx.main is None:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 __all__ = ["CheckResult", "ConformanceReport", "Outcome"]
 
-Outcome = Literal["pass", "fail", "skip"]
+Outcome = Literal["pass", "fail", "skip", "declined"]
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,15 @@ class CheckResult:
     check: str
     """The check's name (see ``sixfold.backends.conformance.CHECKS``)."""
     outcome: Outcome
-    """"pass", "fail", or "skip" (not run because an earlier check, e.g. load, failed; counts as not passed)."""
+    """"pass", "fail", "skip" (not run because an earlier check, e.g. load, failed; counts as not passed) or
+    "declined" (not run: the case's precision is one the backend's ``supports()`` declines, which serving
+    never sends it; counts as passed)."""
     seconds: float
     detail: str = ""
 
     @property
     def passed(self) -> bool:
-        return self.outcome == "pass"
+        return self.outcome in ("pass", "declined")
 
 
 @dataclass
@@ -59,10 +61,11 @@ class ConformanceReport:
         return {r.check for r in self.results if r.outcome == "fail"}
 
     def summary(self) -> str:
-        counts = {o: sum(r.outcome == o for r in self.results) for o in ("pass", "fail", "skip")}
+        counts = {o: sum(r.outcome == o for r in self.results) for o in ("pass", "fail", "skip", "declined")}
         verdict = "PASSED" if self.passed else "FAILED"
         return (f"backend {self.backend}: {verdict} ({len(self.results)} checks: {counts['pass']} passed, "
-                f"{counts['fail']} failed, {counts['skip']} skipped)")
+                f"{counts['fail']} failed, {counts['skip']} skipped"
+                + (f", {counts['declined']} declined by supports()" if counts["declined"] else "") + ")")
 
     def table(self) -> Any:
         """A ``rich.table.Table`` of the results."""
@@ -76,7 +79,7 @@ class ConformanceReport:
         table.add_column("result")
         table.add_column("time", justify="right")
         table.add_column("detail", overflow="fold")
-        style = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]SKIP[/]"}
+        style = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]SKIP[/]", "declined": "[cyan]DECLINED[/]"}
         for r in self.results:
             table.add_row(r.case, r.check, style[r.outcome], f"{r.seconds:.2f}s", r.detail)
         return table

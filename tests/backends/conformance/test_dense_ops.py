@@ -77,3 +77,32 @@ def test_the_default_kit_run_names_the_op_a_backend_gets_wrong(backend, check, o
     assert {r.check for r in fails} == {check}
     assert "rm2" in {r.case for r in report.failures}  # the whole model fails too, less precisely
     json.dumps(report.to_dict())
+
+
+class _Fp32Only(OnnxRuntimeBackend):
+    """A card that computes in fp32 only, and says so in supports()."""
+
+    def supports(self, artifact):
+        return artifact.dtype == "fp32" and super().supports(artifact)
+
+
+def test_a_backend_that_declines_fp16_passes_with_the_fp16_cases_declined():
+    assert {c.artifact.dtype for c in op_cases()} == {"fp32", "fp16"}  # each op case labelled as it is
+    report = run_conformance(_Fp32Only(), models=("rm2",), max_batch=4, timeout_s=5.0)
+    assert report.passed, [(r.case, r.check, r.detail) for r in report.failures]
+    declined = [r for r in report.results if r.outcome == "declined"]
+    assert declined and all("supports() is False for fp16" in r.detail for r in declined)
+    assert {r.case for r in declined} >= {r.case for r in report.results if r.case.endswith("float16")}
+    assert "declined by supports()" in report.summary() and not any(r.outcome == "skip" for r in report.results)
+    assert any(r.outcome == "pass" and r.case.startswith("op ") and "float32" in r.case for r in report.results)
+    assert any(r.outcome == "pass" and r.case == "rm2" for r in report.results)
+
+
+def test_a_backend_that_declines_fp32_fails():
+    class _Fp16Only(OnnxRuntimeBackend):
+        def supports(self, artifact):
+            return artifact.dtype == "fp16" and super().supports(artifact)
+
+    report = run_conformance(_Fp16Only(), models=(), max_batch=4, timeout_s=5.0)
+    assert not report.passed
+    assert all("float32" in r.case for r in report.failures if r.check == "load")
