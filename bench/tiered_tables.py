@@ -207,7 +207,7 @@ def main() -> int:
             results: dict[str, dict] = {}
 
             def resident():
-                stage = HostEmbeddingStage(tables)  # fused: tables/fp32/fused.npy, memory-mapped
+                stage = HostEmbeddingStage(tables)  # fused: a file in the cache folder, memory-mapped
                 return stage, lambda s: PageBudget(s.groups[0].array, 0).drop()
 
             def all_pages(stage) -> float:  # every page resident before each run (and say how many were)
