@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+from sixfold.server.transport.deadline import within
+
 __all__ = ["ReceiveBudget"]
 
 
@@ -28,6 +30,8 @@ class ReceiveBudget:
         self.reading = 0
         """gRPC reads running, each holding ``max_message_bytes`` of ``held``."""
         self.refused = 0
+        self.peak = 0
+        """Most bytes held at once so far."""
         self._waiting = 0
         self._changed: asyncio.Condition | None = None
 
@@ -40,6 +44,7 @@ class ReceiveBudget:
             self.refused += 1
             return False
         self.held += nbytes
+        self.peak = max(self.peak, self.held)
         return True
 
     async def start_read(self, wait_s: float) -> bool:
@@ -58,16 +63,28 @@ class ReceiveBudget:
                 self._changed = asyncio.Condition()
             self._waiting += 1
             try:
-                async with self._changed:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(need)), wait_s)
-            except asyncio.TimeoutError:
+                # NOTE: within(), not asyncio.wait_for: that runs the wait in a task of its own, and another
+                # waiter could pass the same check before this one's task is resumed and takes the bytes.
+                await within(self._take_when_free(need), wait_s)
+                return True
+            except TimeoutError:
                 self.refused += 1
                 return False
             finally:
                 self._waiting -= 1
-        self.held += need
-        self.reading += 1
+        self._take(need)
         return True
+
+    async def _take_when_free(self, need: int) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._fits(need))
+            self._take(need)  # in the same step as the check: no other waiter runs in between
+
+    def _take(self, need: int) -> None:
+        self.held += need
+        self.peak = max(self.peak, self.held)
+        self.reading += 1
 
     def end_read(self, nbytes: int | None) -> None:
         """The read finished: keep ``nbytes`` (the message's size) of its reservation; None: it failed."""

@@ -133,6 +133,35 @@ def test_bytes_in_flight_are_refused_before_their_body_is_read(rm1) -> None:
             assert ok.status == 200
 
 
+def test_a_flood_of_large_grpc_requests_holds_no_more_than_the_budget(rm1) -> None:
+    """60 requests of ~0.9 MB at once against a 4 MiB budget (1 MiB messages): each is answered or refused
+    RESOURCE_EXHAUSTED, never held past the budget, and the server answers normally afterwards."""
+    model, _ = rm1
+    request = models.RequestGenerator.for_config(model.config, seed=6).make(150)
+    size = sum(a.nbytes for a in request.values())
+    assert 0.5 * MIB < size < MIB
+    inputs = []
+    for name, array in request.items():
+        item = tc.InferInput(name, list(array.shape), {np.float32: "FP32", np.int32: "INT32",
+                                                        np.int64: "INT64"}[array.dtype.type])
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    with _server(rm1, TransportLimits(receive_bytes=4 * MIB), max_message_bytes=1 * MIB) as server, \
+            tc.InferenceServerClient(server.url) as client:
+        outcomes: list[str] = []
+        done = []
+        for _ in range(60):
+            client.async_infer("rm1", inputs, lambda result, error: (
+                outcomes.append("OK" if error is None else error.status()), done.append(1)), client_timeout=30)
+        deadline = time.monotonic() + 30
+        while len(done) < 60 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        budget = server.server.receive_budget
+        assert len(outcomes) == 60 and set(outcomes) <= {"OK", "StatusCode.RESOURCE_EXHAUSTED"}, outcomes
+        assert "OK" in outcomes and budget.peak <= 4 * MIB and budget.held == 0
+        assert _grpc_infer(client, models.RequestGenerator.for_config(model.config, seed=7).make(2)).shape == (2, 1)
+
+
 def test_two_hundred_slow_connections_do_not_starve_the_server(rm1) -> None:
     """200 connections to each of REST and /metrics dribble a request a byte every 0.4 s: health,
     /metrics and gRPC inference on an open connection still answer promptly, and every slow
@@ -177,6 +206,11 @@ def _timed(call) -> float:
 def test_connections_past_the_cap_are_closed_at_once(rm1) -> None:
     with _server(rm1, TransportLimits(max_connections=20)) as server:
         host, http_port = server.http_url.split(":")
+        grpc_held = [socket.create_connection((host, server.server.port), timeout=5) for _ in range(20)]
+        time.sleep(0.2)
+        assert _closed_by_server(socket.create_connection((host, server.server.port), timeout=5), 3.0)
+        for sock in grpc_held:
+            sock.close()
         for port in (int(http_port), server.server.metrics_port):
             held = [socket.create_connection((host, port), timeout=5) for _ in range(20)]
             time.sleep(0.2)
