@@ -109,11 +109,10 @@ class ServedModel:
             return outputs
         m = self._metrics
         executable = self.runtime.cards[card]
-        outstanding, lag = m.card(card)
-        outstanding.set(self.runtime.router.loads[card].outstanding_rows)
+        m.card(card).set(self.runtime.router.loads[card].outstanding_rows)
         stats = getattr(executable, "stats", None)
         if callable(stats):  # a simulated card says when the host could not keep up with its model
-            lag.set(stats().total_lag_s)
+            m.card_lag(card).set(stats().total_lag_s)
         return outputs
 
     async def infer(self, inputs: dict[str, np.ndarray], requested: list[str],

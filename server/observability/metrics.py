@@ -134,20 +134,22 @@ class ModelMetrics:
         self.host_seconds, self.card_seconds = _Buckets(_LATENCY_BUCKETS), _Buckets(_LATENCY_BUCKETS)
         self.host_dense_max_rows = m.host_dense_max_rows.labels(model)
         self._host_dense_max_rows: int | None = None
-        self._cards: dict[int, tuple] = {}
+        self._cards: dict[int, Any] = {}
         self.failures: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
         """Failed requests by sixfold's reason, every known one from the start (Triton's nv_inference_request_failure)."""
         self.pending: Callable[[], int] = lambda: 0
         """Requests waiting in the model's queue, read at scrape time (the served model sets it)."""
 
-    def card(self, index: int) -> tuple:
-        """(outstanding rows gauge, simulation lag gauge) of card ``index``."""
-        children = self._cards.get(index)
-        if children is None:
-            label = f"card{index}"
-            children = self._cards[index] = (self._m.card_outstanding.labels(self.model, label),
-                                             self._m.sim_lag.labels(self.model, label))
-        return children
+    def card(self, index: int) -> Any:
+        """The outstanding-rows gauge of card ``index``."""
+        child = self._cards.get(index)
+        if child is None:
+            child = self._cards[index] = self._m.card_outstanding.labels(self.model, f"card{index}")
+        return child
+
+    def card_lag(self, index: int) -> Any:
+        """The simulation-lag gauge of card ``index``: made only for a simulated card, which has a lag to report."""
+        return self._m.sim_lag.labels(self.model, f"card{index}")
 
     def record_success(self, rows: int, total_s: float, queue_s: float, host_s: float, card_s: float) -> None:
         """One answered request (on the event loop; a scrape reads these from another thread)."""

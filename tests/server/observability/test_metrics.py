@@ -248,3 +248,27 @@ def test_metrics_over_tls_with_a_token(tmp_path):
     finally:
         silent.close()
         metrics.close()
+
+
+@pytest.mark.parametrize(("backend", "lag"), [("simcard", True), ("onnxruntime", False)])
+def test_the_simulation_lag_is_exported_for_simulated_cards_only(backend: str, lag: bool) -> None:
+    import tritonclient.grpc as tc
+
+    from sixfold import models
+    from tests.conftest import ServeProcess, free_port, triton_inputs
+
+    port = free_port()
+    serve = ServeProcess("--model", "tiny", "--backend", backend, "--cards", "2", "--grpc-port", "0",
+                         "--http-port", "-1", "--metrics-port", str(port), "--host-dense-max-rows", "0")
+    try:
+        assert serve.url, serve.output
+        gen = models.RequestGenerator.for_config(models.get_config("tiny"), seed=2)
+        with tc.InferenceServerClient(serve.url) as client:
+            for _ in range(4):
+                client.infer("tiny", triton_inputs(tc, gen.make(8)))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        assert ("sixfold_simcard_lag_seconds" in samples) is lag
+        assert "sixfold_card_outstanding_rows" in samples
+    finally:
+        serve.kill()
