@@ -178,6 +178,7 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
                **_layouts(split.dense.graph, split.dense_inputs, symbols, small_env, large_env),
                SCORES: observed_layout(small_scores, 4, scores, 64)}
     inputs = [_tensor_info(n, large[n], layout=layouts[n]) for n in (DENSE, LENGTHS, INDICES)]
+    dense_reads = {n.name for n in split.dense.graph.nodes if n.op == "placeholder" and n.users}
     outputs = [_tensor_info(SCORES, scores, layout=layouts[SCORES])]
     dense_layouts = {n: layouts[n] for n in [*split.dense_inputs, SCORES]}
     unsplittable = _unsplittable(dense_layouts, "card input")
@@ -193,7 +194,8 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         bytes_per_item=host_cost.bytes_per_item)
     dense_part = PartitionInfo(
         name=DENSE_PARTITION, kind="dense", format="onnx",
-        inputs=[_tensor_info(n, large_env[n], layout=layouts[n]) for n in split.dense_inputs],
+        inputs=[_tensor_info(n, large_env[n], layout=layouts[n], consumed=n in dense_reads)
+                for n in split.dense_inputs],
         outputs=outputs, nodes=split.dense_nodes,
         param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
         bytes_per_item=dense_cost.bytes_per_item, unsplittable=unsplittable)

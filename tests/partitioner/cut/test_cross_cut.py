@@ -99,6 +99,8 @@ def test_a_batch_read_on_both_sides_is_recomputed_by_the_dense_side_from_its_own
     dense = partitioned.plan.partition("dense")
     assert dense.unsplittable == "" and all(k == 1 for k, _ in _layouts(dense).values())
     assert partitioned.artifacts["dense"].layouts["host_embedding_bag"].rows_per_item == 1
+    consumed = {t.name: t.consumed for t in dense.inputs}
+    assert consumed["sparse_lengths"] is False and consumed["dense_features"] is True  # read by no dense node
     assert _layouts(partitioned.plan.partition("sparse"))["sparse_indices"] == (T, None)
 
 
