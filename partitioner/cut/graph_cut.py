@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from sixfold.partitioner.cut.sizes import SizeRebuilder, is_size, size_expr
+from sixfold.partitioner.cut.sizes import SizeRebuilder, UnrecoverableSize, is_size, size_expr
 from sixfold.partitioner.cut.sparse_dense import DENSE, HOST
 
 __all__ = ["SplitGraph", "cut_graph"]
@@ -74,6 +74,33 @@ def _boundary_name(node: fx.Node) -> str:
     return f"host_{node.name}"
 
 
+def _reads_dense(node: fx.Node, labels: dict[fx.Node, str]) -> bool:
+    return node.op == "placeholder" and (labels[node] == DENSE or any(
+        labels.get(u) == DENSE and not _is_skippable(u) for u in node.users))
+
+
+def _inputs_for_sizes(nodes: list[fx.Node], labels: dict[fx.Node, str], boundary: list[fx.Node]) -> list[fx.Node]:
+    """Model inputs the dense side must also take, only for a host size none of its own inputs determine.
+
+    The size is then passed as an explicit input: the dense side reads it off that input's shape
+    (the id count off ``sparse_indices``, say). None when every size rebuilds from what it has.
+    """
+    have = [n for n in nodes if _reads_dense(n, labels)] + boundary
+    extra: list[fx.Node] = []
+    for node in nodes:
+        if labels[node] != HOST or not is_size(node) or not any(labels.get(u) == DENSE for u in node.users):
+            continue
+        expr = size_expr(node.meta.get("val"))
+        for more in [[], *([p] for p in nodes if p.op == "placeholder" and p not in have and p not in extra)]:
+            try:
+                SizeRebuilder(fx.Graph(), [*have, *extra, *more]).build(expr, node.name)
+            except UnrecoverableSize:
+                continue
+            extra.extend(more)
+            break
+    return extra
+
+
 def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
               output_names: list[str] | None = None) -> SplitGraph:
     """Split ``gm`` by ``labels`` into host and dense GraphModules (``gm`` is left intact)."""
@@ -115,9 +142,10 @@ def cut_graph(gm: fx.GraphModule, labels: dict[fx.Node, str],
     dense_graph = fx.Graph()
     denv: dict[fx.Node, fx.Node] = {}
     dense_inputs: list[str] = []
+    size_sources = _inputs_for_sizes(nodes, labels, boundary_nodes)
     for node in nodes:
         # A model input may feed both sides (the host often reads only its size).
-        if node.op == "placeholder" and (labels[node] == DENSE or any(
+        if node.op == "placeholder" and (labels[node] == DENSE or node in size_sources or any(
                 labels.get(u) == DENSE and not _is_skippable(u) for u in node.users)):
             denv[node] = dense_graph.node_copy(node, lambda n: denv[n])
             dense_inputs.append(node.name)

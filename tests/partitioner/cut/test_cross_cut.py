@@ -175,3 +175,33 @@ def test_a_size_is_rebuilt_from_any_dimension_that_is_a_multiple_of_it() -> None
     assert fx.GraphModule(torch.nn.Module(), graph)(torch.zeros(7 * T, dtype=torch.int64)) == 8
     with pytest.raises(UnrecoverableSize, match="no input of the dense side"):
         SizeRebuilder(fx.Graph(), []).build(n.node.expr, "n")
+
+
+class TotalIds(nn.Module):
+    """The host reads the id count for its lookup; the dense side reads it too (no dense input carries it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.bag = nn.EmbeddingBag(R, E, mode="sum")
+        self.top = nn.Linear(T * E + 1, 1)
+
+    def forward(self, dense_features, sparse_lengths, sparse_indices):
+        m = sparse_indices.shape[0]
+        per_bag = sparse_lengths.reshape(-1).long()
+        pooled = self.bag(sparse_indices[:m], torch.cumsum(per_bag, 0) - per_bag).reshape(-1, T * E)
+        ids_seen = torch.full((dense_features.shape[0], 1), m, dtype=torch.float32) / 100.0
+        return torch.sigmoid(self.top(torch.cat([pooled, ids_seen], 1)))
+
+
+def test_a_size_no_dense_input_carries_is_passed_as_an_explicit_input() -> None:
+    model = TotalIds()
+    partitioned = _partition(model, one_hot=False)
+    split = partitioned.split
+    assert "sparse_indices" in split.dense_inputs  # its length is the size the dense side needs
+    dense = partitioned.plan.partition("dense")
+    assert "'sparse_indices' is ragged" in dense.unsplittable  # a batch-wide count: only whole batches
+    for items in (1, 2, 3, 7, 64):
+        request = _request(items, items, False)
+        with torch.inference_mode():
+            torch.testing.assert_close(_run_split(partitioned, request), model(**request))
