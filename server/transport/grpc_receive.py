@@ -24,9 +24,14 @@ _WAIT_FOR_READS_S = 2.0
 """How long a request waits for other reads to settle before it is refused (reads take ms on a LAN)."""
 
 
-def sized_model_infer(data: bytes) -> tuple[Any, int]:
-    """The ModelInfer deserializer that also says the message's size (its bytes stay held until answered)."""
-    return parse_model_infer(data), len(data)
+def sized_model_infer(data: bytes) -> list:
+    """The ModelInfer deserializer that also says the message's size: ``[request, size]``.
+
+    A list, emptied once read: grpc's request iterator is an async generator that keeps the last
+    message it yielded until it is garbage-collected, long after the call (measured: 1.4 GB of
+    8.6 MB queries alive after an overload, with no request in flight).
+    """
+    return [parse_model_infer(data), len(data)]
 
 
 def bounded_model_infer(servicer: Any, budget: ReceiveBudget, body_timeout_s: float, metrics: Any = None):
@@ -41,7 +46,9 @@ def bounded_model_infer(servicer: Any, budget: ReceiveBudget, body_timeout_s: fl
                                 f"the server holds {budget.held >> 20} MiB of requests in flight, its limit is "
                                 f"{budget.limit >> 20} MiB (--max-queue-bytes-mb); retry later")
         try:
-            request, size = await within(request_iterator.__anext__(), body_timeout_s)
+            message = await within(request_iterator.__anext__(), body_timeout_s)
+            request, size = message
+            message.clear()  # the iterator keeps its last message: an empty list, not the request
         except TimeoutError:
             budget.end_read(None)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
