@@ -88,3 +88,41 @@ def test_read_only_repository_serves_and_cp_p_versions_score_their_own_rows(tmp_
         if serve is not None:
             serve.stop()
         subprocess.run(["umount", "-l", str(repo)], timeout=10)
+
+
+def test_a_full_cache_disk_serves_fp32_as_it_is_and_a_failed_load_takes_nothing_down(tmp_path: Path) -> None:
+    model, partitioned = partition_builtin("rm1", max_rows=ROWS, seed=0, cards=1)
+    write_artifacts(partitioned, tmp_path / "repo" / "rm" / "1")
+    _, packed = partition_builtin("rm1", max_rows=ROWS, seed=0, cards=1, table_precision="int8")
+    write_artifacts(packed, tmp_path / "repo" / "rm8" / "1")  # int8 rows tiered: read from a converted file
+    (tmp_path / "repo" / "rm8" / "config.pbtxt").write_text(
+        'name: "rm8"\nparameters { key: "sixfold.table_memory" value { string_value: "50%" } }\n')
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cache))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    serve = None
+    try:
+        with open(cache / "ballast", "wb", buffering=0) as f:  # the disk full before the server starts
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * (64 << 10))
+        serve = ServeProcess("--model-repository", str(tmp_path / "repo"), "--grpc-port", "0", "--metrics-port",
+                             "-1", "--backend", "simcard", "--cards", "1", "--model-control-mode", "explicit",
+                             "--load-model", "rm", "--control-token-file", str(token), "--cache-dir", str(cache),
+                             timeout=120)
+        assert serve.url, serve.output
+        request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=ROWS), seed=5).make(3)
+        np.testing.assert_allclose(_scores(serve.url, request), _expected(model, request), rtol=1e-4, atol=1e-5)
+        assert "No space left on device" in serve.output and "serving them per table" in serve.output
+        client = grpcclient.InferenceServerClient(serve.url)
+        with pytest.raises(Exception, match="tiered int8 rows are read from a converted file in the cache folder"):
+            client.load_model("rm8", headers={"authorization": f"Bearer {TOKEN}"})
+        client.close()
+        assert serve.proc.poll() is None  # the server, and the model it serves, stay up
+        np.testing.assert_allclose(_scores(serve.url, request), _expected(model, request), rtol=1e-4, atol=1e-5)
+    finally:
+        if serve is not None:
+            serve.stop()
+        subprocess.run(["umount", "-l", str(cache)], timeout=10)
