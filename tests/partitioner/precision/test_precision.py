@@ -207,7 +207,8 @@ def test_int8_dense_quantizes_the_weights_keeps_fp32_io_and_stays_close(rm2):
     graph = onnx.load_from_string(art.payload).graph
     _assert_fp32_io(graph)
     ops = {n.op_type for n in graph.node}
-    assert "DynamicQuantizeLinear" in ops and ops & {"MatMulInteger", "ConvInteger"}, ops
+    # activations quantized per item (int8_rows), none per batch
+    assert "MatMulInteger" in ops and "DynamicQuantizeLinear" not in ops, ops
     big = [i for i in graph.initializer if i.dims and np.prod(i.dims) > 1000]
     assert big and all(i.data_type == onnx.TensorProto.INT8 for i in big)
 
@@ -226,3 +227,22 @@ def test_int8_dense_quantizes_the_weights_keeps_fp32_io_and_stays_close(rm2):
         int8.artifact_for(DENSE_PARTITION, registry.get_backend("torch"))
     with pytest.raises(ValueError, match="already int8"):
         apply_dense_precision(int8, "fp16")
+
+
+def test_int8_scores_of_an_item_do_not_depend_on_its_batch_mates(rm2):
+    import onnxruntime as ort
+
+    _, fp32 = rm2
+    int8 = _fresh(fp32)
+    apply_dense_precision(int8, "int8")
+    art = int8.artifacts[DENSE_PARTITION]
+    session = ort.InferenceSession(art.payload, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    feeds = []
+    for n, scale in ((3, 1.0), (5, 60.0), (1, 0.0)):  # quiet items, loud batch-mates, a row of zeros
+        feeds.append({i.name: (rng.standard_normal((n * art.layouts[i.name].rows_per_item, i.shape[-1])) * scale
+                               ).astype(np.float32) for i in session.get_inputs()})
+    alone = session.run(None, feeds[0])[0]
+    together = session.run(None, {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})[0]
+    np.testing.assert_array_equal(together[:3], alone)  # bit for bit
+    assert np.isfinite(together).all()
