@@ -87,3 +87,36 @@ async def test_a_large_batch_of_it_runs_whole_on_one_card_and_answers_like_the_m
         assert runtime.card_state == ["healthy", "healthy"] and not runtime.fault_counts
     finally:
         runtime.close()
+
+
+def test_served_over_grpc_jagged_requests_from_eight_clients_all_answer(onnx_model, tmp_path) -> None:
+    """Issue 31's 163-of-200 failures: default server settings, sizes 1..700, 8 clients at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.grpc as tc
+
+    from sixfold.partitioner.artifacts import write_artifacts
+    from tests.conftest import ServeProcess, free_port, triton_inputs
+    model, partitioned = onnx_model
+    write_artifacts(partitioned, tmp_path / "repo" / "jagged" / "1")
+    process = ServeProcess("--model-repository", str(tmp_path / "repo"), "--grpc-port", "0",
+                           "--metrics-port", str(free_port()), timeout=120)
+    try:
+        assert process.url, "".join(process.lines)
+
+        def client(k: int) -> float:
+            grpc, worst = tc.InferenceServerClient(process.url), 0.0
+            for j, items in enumerate((1, 2, 3, 7, 64, 700)):
+                batch = _request(items, seed=10 * k + j, jagged=True)
+                got = grpc.infer("jagged", triton_inputs(tc, batch), client_timeout=30).as_numpy("scores")
+                with torch.inference_mode():
+                    want = model(*(torch.from_numpy(v) for v in batch.values())).numpy()
+                worst = max(worst, float(np.max(np.abs(got - want))))
+            return worst
+
+        with ThreadPoolExecutor(8) as pool:
+            assert max(pool.map(client, range(8), timeout=60)) < 1e-5
+        log = "".join(process.lines)
+        assert "out of rotation" not in log and "cannot split" not in log, log[-2000:]
+    finally:
+        process.stop()
