@@ -424,6 +424,8 @@ class PlanRuntime:
         self.restart_backoff_s = restart_backoff_s
         self.dense_fallback = dense_fallback
         self.on_card_fault = on_card_fault
+        self.on_close: list[Callable[[], None]] = []
+        """Called by ``close`` once the executables are closed (``sixfold.server.loading.card_memory``)."""
         self.card_state = ["healthy"] * len(self.cards)
         """What each card is doing, in words (named in UNAVAILABLE errors and logs)."""
         self.fault_counts: dict[tuple[int, str], int] = {}
@@ -944,9 +946,14 @@ class PlanRuntime:
             self.on_card_fault(index, kind)
 
     def close(self) -> None:
+        """Close every executable, then run ``on_close`` (e.g. give the cards' memory back to the ledger)."""
         _cancel([*self._restarts, *self._watchers])
-        self.host.close()
-        if self.host_dense is not None:
-            self.host_dense.close()
-        for card in self.cards:
-            card.close()
+        try:
+            self.host.close()
+            if self.host_dense is not None:
+                self.host_dense.close()
+            for card in self.cards:
+                card.close()
+        finally:
+            for done in self.on_close:
+                done()

@@ -23,6 +23,7 @@ from sixfold.server.execution.dense_loader import PipelineExecutable, load_dense
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.card_flags import check_card_flags
+from sixfold.server.loading.card_memory import card_bytes, hold_until_closed, reserve_cards
 from sixfold.server.loading.model_config import settings_from_proto
 from sixfold.server.loading.repository import CONFIG_FILE, ModelRepository
 from sixfold.server.execution.runtime import DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS, PlanRuntime
@@ -210,6 +211,12 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                           card_timeout_floor_s=card_timeout_floor_s, host_dense=host_dense,
                           host_dense_max_rows=host_dense_max_rows if host_dense and not pipelined else 0,
                           host_chunk_rows=host_chunk_rows, card_scheduling=card_scheduling)
+    try:  # this version's bytes on each card, beside every other model's (sixfold.server.loading.card_memory)
+        holds = reserve_cards(cards, f"model {name or plan.model} version {version}")
+    except BaseException:
+        runtime.close()
+        raise
+    hold_until_closed(runtime, holds)
     inflight = batching.max_inflight_batches or len(cards) + 1
     served = ServedModel(name=name or plan.model, version=version, plan=plan, runtime=runtime,
                          batcher=None, metrics=metrics, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
@@ -231,6 +238,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     if tables.get("zipf"):
         served.parameters["sixfold.zipf"] = str(tables["zipf"])
     served.parameters["sixfold.cards"] = str(len(cards))
+    served.parameters["sixfold.card_memory_bytes"] = ",".join(f"{c}={b}" for c, b in card_bytes(cards).items())
     served.parameters["sixfold.backend"] = backend
     return served
 
