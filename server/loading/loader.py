@@ -123,10 +123,13 @@ def _spill_tables(arrays: list[np.ndarray]) -> Path:
     import shutil
     import tempfile
 
+    from sixfold.backends.host.derived_cache import write_npy
+
     directory = Path(tempfile.mkdtemp(prefix="sixfold-tables-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     for t, array in enumerate(arrays):
-        np.save(directory / f"table_{t:03d}.npy", np.ascontiguousarray(array))
+        # allocated before written, no memory map: a full disk is an OSError naming the file and the bytes
+        write_npy(directory / f"table_{t:03d}.npy", np.asarray(array).dtype, array.shape, [array])
     return directory
 
 
