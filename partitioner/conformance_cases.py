@@ -18,7 +18,11 @@ __all__ = ["ZooCases"]
 
 
 class ZooCases:
-    """``names()`` and ``build(model, max_rows, seed) -> (dense artifact, feed(rows) -> inputs)``."""
+    """``names()`` and ``build(model, max_rows, seed) -> (dense artifact, feed(rows) -> inputs)``.
+
+    ``model@precision`` (``rm2@int8``, ``rm2@fp16``) is the dense partition served at that precision
+    (``sixfold-serve --dense-precision``), its artifact labelled with it: what serving sends a card.
+    """
 
     @staticmethod
     def names() -> list[str]:
@@ -34,7 +38,14 @@ class ZooCases:
         from sixfold.partitioner.compile import partition_builtin
         from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
 
+        from sixfold.partitioner.precision.dense import DENSE_PRECISIONS, apply_dense_precision
+
+        model, _, precision = model.partition("@")
+        if precision and precision not in DENSE_PRECISIONS:
+            raise ValueError(f"{model}@{precision}: unknown dense precision; known: {', '.join(DENSE_PRECISIONS)}")
         zoo, partitioned = partition_builtin(model, max_rows=max_rows, seed=seed, cards=1)
+        if precision and precision != "fp32":
+            apply_dense_precision(partitioned, precision)
         host, dense = partitioned.artifacts[HOST_PARTITION], partitioned.artifacts[DENSE_PARTITION]
         generator = models.RequestGenerator.for_config(zoo.config, seed=seed + 1)
 

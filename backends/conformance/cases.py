@@ -18,7 +18,9 @@ from sixfold.backends.api import Arrays, PartitionArtifact
 
 __all__ = ["Case", "Reference", "case_from_artifact", "builtin_case", "builtin_cases", "case_source", "DEFAULT_MODELS"]
 
-DEFAULT_MODELS: tuple[str, ...] = ("rm2", "dlrm-mlperf")
+DEFAULT_MODELS: tuple[str, ...] = ("rm2", "dlrm-mlperf", "rm2@fp16", "rm2@int8")
+"""The zoo models whose dense partitions the kit runs by default; ``@fp16`` and ``@int8`` are the same partition
+at the precision ``sixfold-serve --dense-precision`` serves (a backend may decline one in ``supports()``)."""
 """Models the kit checks when none are named: the two dense-partition shapes of the zoo, fast to build."""
 
 

@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Check a registered sixfold backend against ONNX Runtime.")
     p.add_argument("backend", nargs="?", help="entry-point name of the backend (see --list)")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma-separated built-in models (default {','.join(DEFAULT_MODELS)}; 'all' for every one)")
+                   help=f"comma-separated built-in models, MODEL@fp16 or MODEL@int8 for a dense precision "
+                        f"(default {','.join(DEFAULT_MODELS)}; 'all' for every one)")
     p.add_argument("--max-batch", type=int, default=64, help="check batch sizes 1..N (default 64)")
     p.add_argument("--max-rows", type=int, default=200, help="rows per embedding table when building models")
     p.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",

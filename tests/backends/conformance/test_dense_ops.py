@@ -88,10 +88,12 @@ class _Fp32Only(OnnxRuntimeBackend):
 
 def test_a_backend_that_declines_fp16_passes_with_the_fp16_cases_declined():
     assert {c.artifact.dtype for c in op_cases()} == {"fp32", "fp16"}  # each op case labelled as it is
-    report = run_conformance(_Fp32Only(), models=("rm2",), max_batch=4, timeout_s=5.0)
+    report = run_conformance(_Fp32Only(), models=("rm2", "rm2@fp16", "rm2@int8"), max_batch=4, timeout_s=5.0)
     assert report.passed, [(r.case, r.check, r.detail) for r in report.failures]
+    assert {r.outcome for r in report.results if r.case in ("rm2@fp16", "rm2@int8")} == {"declined"}
     declined = [r for r in report.results if r.outcome == "declined"]
-    assert declined and all("supports() is False for fp16" in r.detail for r in declined)
+    assert declined and all(f"supports() is False for {'int8' if r.case == 'rm2@int8' else 'fp16'}" in r.detail
+                            for r in declined)
     assert {r.case for r in declined} >= {r.case for r in report.results if r.case.endswith("float16")}
     assert "declined by supports()" in report.summary() and not any(r.outcome == "skip" for r in report.results)
     assert any(r.outcome == "pass" and r.case.startswith("op ") and "float32" in r.case for r in report.results)
@@ -106,3 +108,10 @@ def test_a_backend_that_declines_fp32_fails():
     report = run_conformance(_Fp16Only(), models=(), max_batch=4, timeout_s=5.0)
     assert not report.passed
     assert all("float32" in r.case for r in report.failures if r.check == "load")
+
+
+def test_the_int8_and_fp16_partitions_serving_sends_pass_the_items_check_on_onnxruntime():
+    report = run_conformance("onnxruntime", models=("rm2@int8", "rm2@fp16"), max_batch=8, ops=False)
+    assert report.passed, [(r.case, r.check, r.detail) for r in report.failures]
+    items = report.result("rm2@int8", "items")
+    assert items.passed, items.detail  # per-item quantization: a batch cut and rejoined equals the whole
