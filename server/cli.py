@@ -206,8 +206,8 @@ def _parser() -> argparse.ArgumentParser:
     limits.add_argument("--grpc-max-connection-age-s", type=_seconds, default=3600.0,
                         help="ask a gRPC connection this old to reconnect, so load balancers rebalance "
                              "(default 3600; 0: never)")
-    limits.add_argument("--grpc-max-streams", type=_count, default=128,
-                        help="gRPC RPCs at once per connection (default 128; 0: gRPC's unlimited)")
+    limits.add_argument("--grpc-max-streams", type=_count, default=1024,
+                        help="gRPC RPCs at once per connection (default 1024; 0: gRPC's unlimited)")
     sec = p.add_argument_group("security (TLS and tokens)")
     sec.add_argument("--tls-cert", metavar="PEM",
                      help="PEM certificate chain: serve gRPC, REST and /metrics over TLS (with --tls-key)")

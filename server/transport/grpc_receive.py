@@ -20,8 +20,9 @@ from sixfold.server.transport.receive_budget import ReceiveBudget
 
 __all__ = ["sized_model_infer", "bounded_model_infer"]
 
-_WAIT_FOR_READS_S = 2.0
-"""How long a request waits for other reads to settle before it is refused (reads take ms on a LAN)."""
+_WAIT_FOR_READS_S = 0.25
+"""How long a request waits for other reads to settle before it is refused: an 8.6 MB read takes ~16 ms
+on loopback, so a wait longer than this means the server is behind, and waiting more only adds latency."""
 
 
 def sized_model_infer(data: bytes) -> list:

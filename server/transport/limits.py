@@ -38,8 +38,10 @@ class TransportLimits:
     max_connection_age_s: float = 3600.0
     """gRPC: a connection older than this is asked to reconnect (GOAWAY, in-flight RPCs get 30 s more),
     so a load balancer sees connections spread again; 0: never."""
-    max_streams_per_connection: int = 128
-    """gRPC: RPCs at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)."""
+    max_streams_per_connection: int = 1024
+    """gRPC: RPCs at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). Past it the client
+    queues RPCs where the server cannot refuse them (an overload at 10x with 128 queued 60 s in the
+    client), so it is well above what the receive budget admits; an unread stream holds 64 KiB."""
 
     def __post_init__(self) -> None:
         for name in ("receive_bytes", "max_connections", "max_streams_per_connection"):
