@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sixfold.server.workers.process import ReadyProcess
+
+# NOTE: derived tables and calibrations go to one folder per test session, not the user's ~/.cache/sixfold: a
+# test run leaves nothing behind and never reads a cache an earlier run (or another checkout) wrote. Servers the
+# tests start inherit it. A test that needs its own sets SIXFOLD_CACHE_DIR itself (monkeypatch).
+_CACHE = tempfile.mkdtemp(prefix="sixfold-test-cache-")
+os.environ.setdefault("SIXFOLD_CACHE_DIR", _CACHE)
+atexit.register(shutil.rmtree, _CACHE, True)
 
 _DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int16): "INT16", np.dtype(np.int32): "INT32",
               np.dtype(np.int64): "INT64"}
