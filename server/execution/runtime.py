@@ -424,6 +424,8 @@ class PlanRuntime:
         self.restart_backoff_s = restart_backoff_s
         self.dense_fallback = dense_fallback
         self.on_card_fault = on_card_fault
+        self.closed = False
+        """Set by ``close``: a closed runtime answers nothing (``can_answer`` is False)."""
         self.on_close: list[Callable[[], None]] = []
         """Called by ``close`` once the executables are closed (``sixfold.server.loading.card_memory``)."""
         self.card_state = ["healthy"] * len(self.cards)
@@ -485,7 +487,7 @@ class PlanRuntime:
         Readiness follows it (``ServedModel.ready``): with every card out and no fallback, each batch
         would fail UNAVAILABLE, so the model must not report ready to a load balancer.
         """
-        return bool(self.router.healthy) or self._can_fall_back
+        return not self.closed and (bool(self.router.healthy) or self._can_fall_back)
 
     def paths(self) -> str:
         """The paths a batch could take now, in words: each card's state, and the host fallback."""
@@ -948,6 +950,7 @@ class PlanRuntime:
     def close(self) -> None:
         """Close every executable, then run ``on_close`` (e.g. give the cards' memory back to the ledger)."""
         _cancel([*self._restarts, *self._watchers])
+        self.closed = True
         try:
             self.host.close()
             if self.host_dense is not None:

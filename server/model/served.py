@@ -58,7 +58,12 @@ class ServedModel:
             served = model()
             return served.batcher.queued if served is not None and served.batcher is not None else 0
 
+        def ready() -> bool:  # an unloaded version (collected) answers nothing
+            served = model()
+            return served is not None and served.ready
+
         self._metrics.pending = pending
+        self._metrics.ready = ready
         if self.runtime is not None:  # its cards' busy time, memory and health, while it lives
             self.metrics.watch_cards(self.name, self.version, self.runtime)
 
@@ -72,6 +77,8 @@ class ServedModel:
         """Why the version is not ready, in words (empty when it is)."""
         if self.warmup_failed:
             return self.warmup_failed
+        if self.runtime is not None and self.runtime.closed:
+            return "unloaded (its runtime is closed)"
         if self.runtime is not None and not self.runtime.can_answer:
             return f"no path can answer a batch ({self.runtime.paths()})"
         return ""

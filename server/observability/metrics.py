@@ -139,6 +139,8 @@ class ModelMetrics:
         """Failed requests by sixfold's reason, every known one from the start (Triton's nv_inference_request_failure)."""
         self.pending: Callable[[], int] = lambda: 0
         """Requests waiting in the model's queue, read at scrape time (the served model sets it)."""
+        self.ready: Callable[[], bool] = lambda: True
+        """Whether the version can answer now (``ServedModel.ready``), read at scrape time; the served model sets it."""
 
     def card(self, index: int) -> Any:
         """The outstanding-rows gauge of card ``index``."""
@@ -286,6 +288,12 @@ class _RequestCollector:
                 merged = [(le, sum(p[0][i][1] for p in parts)) for i, (le, _) in enumerate(parts[0][0])]
                 family.add_metric([model], merged, sum(p[1] for p in parts))
             yield family
+        ready = GaugeMetricFamily("sixfold_model_ready", "1 while the model version can answer now (warmed up, and a "
+                                  "card or the host fallback healthy), else 0: what its readiness reports",
+                                  labels=["model", "version"])
+        for m in bound:
+            ready.add_metric([m.model, m.version], float(m.ready()))
+        yield ready
 
 
 # Triton's series: (name, type, help, value of one model version). Counters carry no "_total" suffix,

@@ -70,11 +70,17 @@ def _health(url: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
-def _card_health(port: int) -> dict[str, float]:
+def _gauges(port: int, name: str) -> dict[str, float]:
+    """``name``'s samples on the /metrics page: labels text -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
         lines = page.read().decode().splitlines()
-    return {line.split('card="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in lines if line.startswith("sixfold_card_healthy{")}
+    return {line[len(name) + 1:].split("}")[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line.startswith(name + "{")}
+
+
+def _card_health(port: int) -> dict[str, float]:
+    return {labels.split('card="')[1].split('"')[0]: value
+            for labels, value in _gauges(port, "sixfold_card_healthy").items()}
 
 
 def _readiness(bg: BackgroundServer, model: str) -> tuple[bool, bool, bool, bool, int]:
@@ -108,6 +114,7 @@ def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a
             client.infer("tiny", triton_inputs(tc, _request(3)))
         assert "UNAVAILABLE" in str(refused.value.status()) and "unhealthy" in refused.value.message()
         assert _card_health(bg.server.metrics_port) == {"card0": 0.0, "card1": 0.0, "card2": 0.0, "card3": 0.0}
+        assert _gauges(bg.server.metrics_port, "sixfold_model_ready") == {'model="tiny",version="1"': 0.0}
         assert "model tiny version 1 is not ready: no path can answer a batch" in caplog.text
         assert "no host fallback" in caplog.text
 
@@ -122,6 +129,7 @@ def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a
             scores = client.infer("tiny", triton_inputs(tc, request)).as_numpy("scores")
         np.testing.assert_allclose(scores, _expected(model, request), rtol=1e-5, atol=1e-5)
         assert 1.0 in _card_health(bg.server.metrics_port).values()
+        assert _gauges(bg.server.metrics_port, "sixfold_model_ready") == {'model="tiny",version="1"': 1.0}
         assert "model tiny version 1 is ready again" in caplog.text
 
 
