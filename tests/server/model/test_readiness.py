@@ -98,8 +98,8 @@ def _config() -> ServerConfig:
     return ServerConfig(grpc_port=0, http_port=0, metrics_port=0, readiness_interval_s=0.05)
 
 
-def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a_card_is_back(pipelined,
-                                                                                               caplog) -> None:
+def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a_card_is_back(pipelined, caplog,
+                                                                                               tmp_path) -> None:
     model, partitioned = pipelined
     metrics = ServerMetrics()
     served = load_partitioned(partitioned, backend="simcard", backend_options=DEAD, metrics=metrics,
@@ -107,7 +107,9 @@ def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a
     assert served.runtime.host_dense is None and len(served.runtime.cards) == 2  # two pipeline lanes
     served.runtime.restart_backoff_s = 0.05  # dead cards are retried quickly (the test's time bound)
     caplog.set_level(logging.WARNING)
-    with BackgroundServer(InferenceCore([served]), _config(), metrics) as bg:
+    core = InferenceCore([served])
+    core.control = ModelControl(core, ModelRepository(tmp_path), load_partitioned)  # RepositoryIndex says it too
+    with BackgroundServer(core, _config(), metrics) as bg:
         assert not served.warmup_failed  # the cards failed, not the model: readiness follows the cards
         _until(lambda: _readiness(bg, "tiny") == NOT_READY)
         with tc.InferenceServerClient(bg.url) as client, pytest.raises(InferenceServerException) as refused:
@@ -116,6 +118,9 @@ def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a
         assert _card_health(bg.server.metrics_port) == {"card0": 0.0, "card1": 0.0, "card2": 0.0, "card3": 0.0}
         assert _gauges(bg.server.metrics_port, "sixfold_model_ready") == {'model="tiny",version="1"': 0.0}
         assert "model tiny version 1 is not ready: no path can answer a batch" in caplog.text
+        with tc.InferenceServerClient(bg.url) as client:
+            [entry] = client.get_model_repository_index(as_json=True)["models"]
+        assert entry["state"] == "UNAVAILABLE" and "no path can answer a batch" in entry["reason"], entry
         assert "no host fallback" in caplog.text
 
         healthy, reload_lane = load_dense(served.plan, lambda p: partitioned.artifact_for(p, SimCardBackend()),
@@ -130,6 +135,9 @@ def test_cards_all_dead_and_no_host_fallback_is_not_ready_and_ready_again_when_a
         np.testing.assert_allclose(scores, _expected(model, request), rtol=1e-5, atol=1e-5)
         assert 1.0 in _card_health(bg.server.metrics_port).values()
         assert _gauges(bg.server.metrics_port, "sixfold_model_ready") == {'model="tiny",version="1"': 1.0}
+        with tc.InferenceServerClient(bg.url) as client:
+            [entry] = client.get_model_repository_index(as_json=True)["models"]
+        assert entry["state"] == "READY", entry
         assert "model tiny version 1 is ready again" in caplog.text
 
 
