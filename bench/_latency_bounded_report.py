@@ -267,7 +267,7 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
         f"{args.mlserver_batch_time:g}` (adaptive batching; the runtime runs torch on 1 thread). Triton: "
-        f"`bench/triton/serve.py` in `.venv-triton` (`make triton-venv`: tritonserver 2.51 from the nvidia-pytriton "
+        f"`bench/triton_peer/serve.py` in `.venv-triton` (`make triton-venv`: tritonserver 2.51 from the nvidia-pytriton "
         f"0.7.0 wheel, whose only backend is Python: the same torch model on 1 thread per instance, "
         f"OMP_WAIT_POLICY=PASSIVE); its dynamic batching takes whole requests, sent with a leading batch "
         f"dimension of 1 (`sixfold-loadgen --batch-dim`), because its batcher needs every input to share the "

@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]  # bench/triton shadows triton
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -29,7 +29,7 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
                    the same torch model (same name, rows and seed) with adaptive batching
                    (``--mlserver-batch-size`` requests, ``--mlserver-batch-time`` s); its runtime
                    (``bench/mlserver/runtime.py``) runs torch on 1 thread
-  triton           NVIDIA Triton 2.51 (``bench/triton/serve.py`` in ``.venv-triton``: the tritonserver of
+  triton           NVIDIA Triton 2.51 (``bench/triton_peer/serve.py`` in ``.venv-triton``: the tritonserver of
                    the nvidia-pytriton 0.7.0 wheel, whose only backend is Python) serving the same torch
                    model on 1 thread per instance, ``OMP_WAIT_POLICY=PASSIVE``: 1 instance
   triton-2inst     the same with 2 instances (2 stub processes, a model copy each)

@@ -47,9 +47,6 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-# NOTE: run as a script, bench/ is sys.path[0], and bench/triton (the Triton peer) would shadow the
-# triton package torch.export imports; the repository root is enough for bench.* imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -23,7 +23,7 @@ CPU per request, of the server (/proc) and of perf_analyzer (rusage), over the w
 perf_analyzer run divided by the requests ModelStatistics counted, says where a 2-core
 machine's time goes.
 
-NVIDIA Triton (``make triton-venv``; ``bench/triton/serve.py``: tritonserver 2.51 of the nvidia-pytriton
+NVIDIA Triton (``make triton-venv``; ``bench/triton_peer/serve.py``: tritonserver 2.51 of the nvidia-pytriton
 wheel, Python backend) is measured the same way on the same model, twice: ``triton`` runs the tiny model
 in torch (1 instance, no batching, as the latency bench's), ``triton empty`` answers zeros with no model
 (``--empty``): what Triton's own request path costs. Its CPU is its whole process group's (the script,
@@ -256,14 +256,14 @@ def start_echo(name: str, processes: int, model_from: str, workdir: Path) -> Ser
 
 
 TRITONS = {"triton": [], "triton empty": ["--empty"]}
-"""The Triton servers measured, by name: ``bench/triton/serve.py`` flags."""
+"""The Triton servers measured, by name: ``bench/triton_peer/serve.py`` flags."""
 
 
 def start_triton(name: str) -> Server:
-    """``bench/triton/serve.py`` on the tiny model in its own process group (the script, tritonserver, the stub)."""
+    """``bench/triton_peer/serve.py`` on the tiny model in its own process group (the script, tritonserver, the stub)."""
     from bench.harness.process import free_port
 
-    cmd = [str(TRITON_PYTHON), str(ROOT / "bench" / "triton" / "serve.py"), "--model", MODEL, "--max-rows", "100",
+    cmd = [str(TRITON_PYTHON), str(ROOT / "bench" / "triton_peer" / "serve.py"), "--model", MODEL, "--max-rows", "100",
            "--grpc-port", str(free_port()), "--http-port", str(free_port()), "--metrics-port", str(free_port()),
            *TRITONS[name]]
     child = Child(name, cmd, start_new_session=True)

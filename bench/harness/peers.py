@@ -20,7 +20,7 @@ __all__ = ["MLSERVER_PYTHON", "TRITON_CONFIGS", "TRITON_PYTHON", "fifo_server", 
 
 MLSERVER_PYTHON = ROOT / ".venv-mlserver" / "bin" / "python"
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
-# The Triton configurations a bench compares, by server name: ``bench/triton/serve.py`` flags. Dynamic
+# The Triton configurations a bench compares, by server name: ``bench/triton_peer/serve.py`` flags. Dynamic
 # batching batches whole requests (each sent with a leading batch dimension: loadgen's ``batch_dim``).
 TRITON_CONFIGS: dict[str, list[str]] = {
     "triton": [],
@@ -114,10 +114,10 @@ def triton_version() -> str:
 
 
 def triton_server(name: str, model: str, max_rows: int, extra: list[str] | None = None) -> ServerProc:
-    """``bench/triton/serve.py`` in ``.venv-triton`` in configuration ``name`` (a ``TRITON_CONFIGS`` key): the same
+    """``bench/triton_peer/serve.py`` in ``.venv-triton`` in configuration ``name`` (a ``TRITON_CONFIGS`` key): the same
     torch model behind Triton's Python backend."""
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    argv = [str(TRITON_PYTHON), str(ROOT / "bench" / "triton" / "serve.py"), "--model", model,
+    argv = [str(TRITON_PYTHON), str(ROOT / "bench" / "triton_peer" / "serve.py"), "--model", model,
             "--max-rows", str(max_rows), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
             "--metrics-port", str(metrics_port), *TRITON_CONFIGS[name], *(extra or [])]
     return ServerProc(name, argv, ready_line="READY grpc=", url=f"127.0.0.1:{grpc_port}")

@@ -1,6 +1,6 @@
 """A Triton Python-backend model serving a sixfold zoo model with plain torch (no partitioning).
 
-``bench/triton/serve.py`` copies this file into a model repository as ``<model>/1/model.py``. It is the
+``bench/triton_peer/serve.py`` copies this file into a model repository as ``<model>/1/model.py``. It is the
 NVIDIA Triton peer of the serving benchmarks: same model, same weights (same seed), same tensors. With
 ``max_batch_size > 0`` (dynamic batching) each request carries a leading batch dimension of 1 (see
 ``sixfold.loadgen.batch_dim``); the requests Triton hands one ``execute`` call are concatenated item-wise

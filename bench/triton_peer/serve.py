@@ -2,12 +2,12 @@
 
     make triton-venv                         # once: .venv-triton (distribution python3.11) with the
                                              # nvidia-pytriton 0.7.0 wheel (Triton 2.51) + torch CPU
-    .venv-triton/bin/python bench/triton/serve.py --model rm2 --max-rows 50000 --grpc-port 8101
-    .venv-triton/bin/python bench/triton/serve.py --model rm2 --dynamic-batching --max-batch-size 16
+    .venv-triton/bin/python bench/triton_peer/serve.py --model rm2 --max-rows 50000 --grpc-port 8101
+    .venv-triton/bin/python bench/triton_peer/serve.py --model rm2 --dynamic-batching --max-batch-size 16
 
 Triton comes from the ``nvidia-pytriton`` wheel, which carries ``tritonserver`` with the Python backend
 only (no ONNX Runtime or libtorch backend): the model is torch behind the Python backend
-(``bench/triton/model.py``), the same weights (same seed) as sixfold's. This script writes a model
+(``bench/triton_peer/model.py``), the same weights (same seed) as sixfold's. This script writes a model
 repository (``config.pbtxt`` + ``model.py``) into a temporary folder, puts the Python-backend stub of
 this interpreter's version beside the backend, and runs ``tritonserver`` in the foreground; it prints
 ``READY grpc=HOST:PORT`` once the model answers.

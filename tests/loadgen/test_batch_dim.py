@@ -66,7 +66,7 @@ def test_the_cli_flag_reaches_the_config():
 @pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="NVIDIA Triton is not installed here (make triton-venv)")
 def test_triton_dynamic_batching_serves_loadgen_batch_dim_requests_with_the_models_scores():
     port = free_port()
-    proc = subprocess.Popen([str(TRITON_PYTHON), str(ROOT / "bench" / "triton" / "serve.py"), "--model", "rm1",
+    proc = subprocess.Popen([str(TRITON_PYTHON), str(ROOT / "bench" / "triton_peer" / "serve.py"), "--model", "rm1",
                              "--max-rows", "500", "--grpc-port", str(port), "--http-port", str(free_port()),
                              "--metrics-port", str(free_port()), "--dynamic-batching", "--ready-timeout", "120"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
