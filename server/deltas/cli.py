@@ -1,8 +1,8 @@
 """``sixfold-delta``: make a table delta, apply it to a running server, roll it back.
 
     sixfold-delta make OLD_VERSION_DIR NEW_VERSION_DIR --out DELTA [--base-sequence N]
-    sixfold-delta apply --url HOST:PORT --model NAME [--control-token T] [--server-path] DELTA
-    sixfold-delta rollback --url HOST:PORT --model NAME [--control-token T]
+    sixfold-delta apply --url HOST:PORT --model NAME [--control-token-file F] [--server-path] DELTA
+    sixfold-delta rollback --url HOST:PORT --model NAME [--control-token-file F] [--from-sequence N]
     sixfold-delta show DELTA
 
 ``apply`` and ``rollback`` speak stock KServe v2 gRPC: tritonclient's ``load_model`` (Triton's
@@ -57,11 +57,20 @@ def apply_delta(url: str, model: str, delta: str | Path, *, token: str | None = 
 
 
 def rollback_delta(url: str, model: str, *, token: str | None = None, timeout_s: float = 600.0,
-                   ssl: bool = False) -> str:
-    """Roll back the last delta applied to ``model``; returns the sequence it serves after it."""
+                   ssl: bool = False, from_sequence: int | None = None) -> str:
+    """Roll back the last delta applied to ``model``; returns the sequence it serves after it.
+
+    The rollback is conditional on the sequence served: ``from_sequence``, else the one read just before.
+    A retry after a lost reply must pass the first try's ``from_sequence``: the server then refuses it
+    (FAILED_PRECONDITION) instead of undoing a second delta."""
     client = _client(url, ssl)
     headers = _headers(token)
-    config = {"parameters": {"sixfold.delta_rollback": {"string_value": "true"}}}
+    if from_sequence is None:
+        served = _sequence(client, model, headers)
+        from_sequence = int(served) if served.isdigit() else None
+    key, value = (("sixfold.delta_rollback", "true") if from_sequence is None
+                  else ("sixfold.delta_rollback_from", str(from_sequence)))
+    config = {"parameters": {key: {"string_value": value}}}
     client.load_model(model, headers=headers, config=json.dumps(config), client_timeout=timeout_s)
     return _sequence(client, model, headers)
 
@@ -85,10 +94,18 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC HOST:PORT")
         cmd.add_argument("--model", required=True)
-        cmd.add_argument("--control-token", default=os.environ.get("SIXFOLD_CONTROL_TOKEN"),
-                         help="the server's --control-token (default $SIXFOLD_CONTROL_TOKEN)")
+        token = cmd.add_mutually_exclusive_group()
+        token.add_argument("--control-token-file", metavar="PATH",
+                           help="a file whose first line is the server's control token (default "
+                                "$SIXFOLD_CONTROL_TOKEN)")
+        token.add_argument("--control-token", help="the token itself: any local user can read it in the process "
+                                                   "list; prefer --control-token-file or $SIXFOLD_CONTROL_TOKEN")
         cmd.add_argument("--ssl", action="store_true", help="gRPC over TLS")
         cmd.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
+        if name == "rollback":
+            cmd.add_argument("--from-sequence", type=int, default=None, metavar="N",
+                             help="roll back only if the model serves sequence N (default: the sequence read just "
+                                  "before); a retry after a lost reply passes the first try's N and changes nothing")
         if name == "apply":
             cmd.add_argument("delta", help="the delta folder")
             cmd.add_argument("--server-path", action="store_true",
@@ -109,12 +126,35 @@ def _check_paths(args: argparse.Namespace) -> None:
         check_input_dir(args.delta, "DELTA", "a delta folder (sixfold-delta make --out writes one)")
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The control token: --control-token-file's first line, --control-token (warned: argv is public), or
+    $SIXFOLD_CONTROL_TOKEN; UsageError naming the file if it cannot be read or is empty."""
+    from sixfold.partitioner.cli import UsageError, error_text
+    if getattr(args, "control_token_file", None):
+        try:
+            with open(args.control_token_file, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--control-token-file {args.control_token_file}: could not read it "
+                             f"({error_text(exc)})") from None
+        if not token:
+            raise UsageError(f"--control-token-file {args.control_token_file}: its first line is empty")
+        return token
+    if getattr(args, "control_token", None):
+        print("sixfold-delta: warning: --control-token on the command line: any local user can read it in the "
+              "process list; give --control-token-file PATH or $SIXFOLD_CONTROL_TOKEN", file=sys.stderr)
+        return args.control_token
+    return os.environ.get("SIXFOLD_CONTROL_TOKEN") or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from sixfold.partitioner.cli import UsageError, error_text
     from sixfold.partitioner.tables.deltas import DeltaError, make_delta, read_delta
     try:
         _check_paths(args)
+        if args.command in ("apply", "rollback"):
+            args.control_token = _token(args)
     except UsageError as exc:
         print(f"sixfold-delta {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -138,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sixfold-delta: {args.model} serves delta sequence {sequence} ({time.perf_counter() - t0:.2f} s)")
         else:
             sequence = rollback_delta(args.url, args.model, token=args.control_token, timeout_s=args.timeout,
-                                      ssl=args.ssl)
+                                      ssl=args.ssl, from_sequence=args.from_sequence)
             print(f"sixfold-delta: rolled back; {args.model} serves delta sequence {sequence}")
     except DeltaError as exc:
         print(f"sixfold-delta: {exc}", file=sys.stderr)

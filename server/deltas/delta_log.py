@@ -314,11 +314,18 @@ class DeltaLog:
         self.last_apply_s = end - t0
         return {"held_seconds": end - t0, "wait_seconds": started[0] - t0, "commit_seconds": end - started[0]}
 
-    async def rollback(self) -> dict[str, Any]:
-        """Undo the last applied delta (its replaced rows back, the log one entry shorter)."""
+    async def rollback(self, expected: int | None = None) -> dict[str, Any]:
+        """Undo the last applied delta (its replaced rows back, the log one entry shorter).
+
+        ``expected``: the sequence the caller believes the model serves; another one refuses the rollback
+        (FAILED_PRECONDITION), so a rollback retried after its reply was lost undoes nothing more."""
         from sixfold.backends.host.row_updates import prepare
 
         async with self._lock_now():
+            if expected is not None and expected != self.sequence:
+                raise DeltaOutOfOrder(f"model '{self.served.name}' version {self.served.version}: rollback expects "
+                                      f"sequence {expected} but the model serves sequence {self.sequence}; nothing "
+                                      "rolled back (a retried rollback whose first try took effect?)")
             if not self.entries:
                 raise DeltaOutOfOrder(f"model '{self.served.name}' version {self.served.version}: no delta to roll "
                                       "back (sequence 0)")
@@ -390,23 +397,26 @@ async def apply(core: Any, name: str, folder: str | Path) -> dict[str, Any]:
     return await _log_of(core, name).apply(folder)
 
 
-async def rollback(core: Any, name: str) -> dict[str, Any]:
-    return await _log_of(core, name).rollback()
+async def rollback(core: Any, name: str, expected: int | None = None) -> dict[str, Any]:
+    return await _log_of(core, name).rollback(expected)
 
 
 # ---- the repository-load surface ----------------------------------------------------------------
 
 DELTA_PATH = "sixfold.delta_path"
 DELTA_ROLLBACK = "sixfold.delta_rollback"
+DELTA_ROLLBACK_FROM = "sixfold.delta_rollback_from"
+"""Roll back only if the model serves this sequence now: a retried rollback undoes nothing more."""
 _TRUE = ("1", "true", "yes")
 
 
 def delta_request(parameters: Mapping[str, Any]) -> tuple[str, Any] | None:
     """What a RepositoryModelLoad's parameters ask of deltas: ("apply", folder) | ("upload", files) |
-    ("rollback", None) | None (a plain load).
+    ("rollback", expected sequence or None) | None (a plain load).
 
     ``parameters``: plain values (str, bool, int, bytes). Recognised: ``sixfold.delta_path`` (a delta
-    folder on the server), ``sixfold.delta_rollback`` (true), ``file:<name>`` (a delta's files, uploaded),
+    folder on the server), ``sixfold.delta_rollback`` (true: roll back whatever is served),
+    ``sixfold.delta_rollback_from`` (N: roll back only from sequence N), ``file:<name>`` (a delta's files, uploaded),
     and ``config`` (a ModelConfig as JSON, tritonclient's ``load_model(config=...)``) whose ``parameters``
     carry the same keys.
     """
@@ -420,7 +430,12 @@ def delta_request(parameters: Mapping[str, Any]) -> tuple[str, Any] | None:
         for key, value in ((data or {}).get("parameters") or {}).items():
             params.setdefault(key, value.get("string_value") if isinstance(value, dict) else value)
     files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
-    rollback = params.get(DELTA_ROLLBACK)
+    rollback, expected = params.get(DELTA_ROLLBACK), params.get(DELTA_ROLLBACK_FROM)
+    if expected is not None:
+        if not str(expected).strip().isdigit():
+            raise InvalidInput(f"RepositoryModelLoad: parameter {DELTA_ROLLBACK_FROM} is {clip(str(expected))!r}; give "
+                               "the sequence the model serves now (the rollback happens only if it still does)")
+        return "rollback", int(str(expected).strip())
     if rollback is not None and str(rollback).lower() in _TRUE:
         return "rollback", None
     if params.get(DELTA_PATH):
@@ -433,7 +448,7 @@ def delta_request(parameters: Mapping[str, Any]) -> tuple[str, Any] | None:
     unknown = sorted(k for k in params if k.startswith("sixfold.delta"))
     if unknown:
         raise InvalidInput(f"RepositoryModelLoad: unknown delta parameter(s) {clip_names(unknown)}; known: {DELTA_PATH}, "
-                           f"{DELTA_ROLLBACK}, file:<name>")
+                           f"{DELTA_ROLLBACK}, {DELTA_ROLLBACK_FROM}, file:<name>")
     return None
 
 
@@ -467,7 +482,7 @@ async def serve_request(core: Any, name: str, request: tuple[str, Any]) -> dict[
                                   "delta log is kept per version); serve with --workers 1 to apply deltas")
     kind, arg = request
     if kind == "rollback":
-        return await rollback(core, name)
+        return await rollback(core, name, arg)
     if kind == "apply":
         return await apply(core, name, arg)
     with tempfile.TemporaryDirectory(prefix=f"{_UPLOAD_PREFIX}{os.getpid()}-") as tmp:

@@ -181,8 +181,12 @@ def test_apply_answers_as_the_new_version_then_rolls_back(server, versions, answ
     assert _metric(server.metrics_port, name) == 1
     assert apply_delta(server.url, name, versions / "d2", token=TOKEN, server_path=True) == "2"
     assert _same(_scores(server.url, name), answers["v3"][name])
-    assert rollback_delta(server.url, name, token=TOKEN) == "1"
+    assert rollback_delta(server.url, name, token=TOKEN, from_sequence=2) == "1"
     assert _same(_scores(server.url, name), answers["v2"][name])
+    # the same rollback again (its reply lost, say): refused, and nothing more is undone
+    with pytest.raises(InferenceServerException, match="expects sequence 2 but the model serves sequence 1"):
+        rollback_delta(server.url, name, token=TOKEN, from_sequence=2)
+    assert _sequence(server.url, name) == "1" and _same(_scores(server.url, name), answers["v2"][name])
     assert rollback_delta(server.url, name, token=TOKEN) == "0"
     assert _same(_scores(server.url, name), answers["v1"][name])
     with pytest.raises(InferenceServerException, match="no delta to roll back"):
@@ -422,8 +426,15 @@ def test_cli_make_apply_rollback_and_a_watched_folder(tmp_path, versions, answer
         assert _same(_scores(serve.url, "resident"), answers["v2"]["resident"])
         refused = _cli("rollback", "--url", serve.url, "--model", "resident", "--control-token", "wrong")
         assert refused.returncode == 1 and "authorization" in refused.stderr
-        rolled = _cli("rollback", "--url", serve.url, "--model", "resident", "--control-token", TOKEN)
+        (tmp_path / "token").write_text(TOKEN + "\n")
+        stale = _cli("rollback", "--url", serve.url, "--model", "resident", "--control-token-file",
+                     str(tmp_path / "token"), "--from-sequence", "2")
+        assert stale.returncode == 1 and "expects sequence 2 but the model serves sequence 1" in stale.stderr
+        rolled = _cli("rollback", "--url", serve.url, "--model", "resident", "--control-token-file",
+                      str(tmp_path / "token"), "--from-sequence", "1")
         assert rolled.returncode == 0 and "serves delta sequence 0" in rolled.stdout, rolled.stderr
+        assert "warning" not in rolled.stderr
+        assert "process list" in refused.stderr  # the token given in argv is warned about
         applied = _cli("apply", "--url", serve.url, "--model", "resident", "--control-token", TOKEN,
                        str(tmp_path / "d"))
         assert applied.returncode == 0 and "serves delta sequence 1" in applied.stdout, applied.stderr
