@@ -50,6 +50,7 @@ from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION, Par
 from sixfold.partitioner.pricing.cost import PartitionCost
 from sixfold.partitioner.plan import DeviceInfo, PartitionInfo, PartitionPlan, TensorInfo
 from sixfold.partitioner.cut.layout import Layout, observed_layout
+from sixfold.partitioner.frontends.onnx_bags import CONTROL_FLOW_OPS, BagRewrite, rewrite_loop_bags
 from sixfold.partitioner.cut.sparse_dense import DENSE as DENSE_LABEL, HOST
 from sixfold.partitioner.placement.strategy import replicate
 
@@ -379,11 +380,11 @@ class _Runner:
         return {**feed, **dict(zip(names, self.session.run(names, feed)))}
 
 
-def _session(model: onnx.ModelProto) -> Any:
+def _session(model: onnx.ModelProto, quiet: bool = False) -> Any:
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    options.log_severity_level = 3
+    options.log_severity_level = 4 if quiet else 3
     return ort.InferenceSession(model.SerializeToString(), sess_options=options,
                                 providers=["CPUExecutionProvider"])
 
@@ -577,15 +578,21 @@ def _initializer_bytes(model: onnx.ModelProto) -> int:
     return sum(math.prod(t.dims) * _itemsize(t.data_type) for t in model.graph.initializer)
 
 
-def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str = "model") -> OnnxSplit:
+def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str = "model",
+             vectorise_bags: bool = True) -> OnnxSplit:
     """Cut ``model`` into checked host and dense ONNX models (``model`` itself is left intact).
 
     ``pooling``: ids per (item, table) to observe the model with; None tries
     1..MAX_POOLING and keeps the first the model runs with. ``where`` names the
-    model in error messages. Raises ValueError when the model is not a
-    recommendation model this frontend understands (the message says why).
+    model in error messages. ``vectorise_bags``: rewrite torch's ``Loop`` EmbeddingBags
+    (``onnx_bags.py``); a rewrite that answers differently from the model is dropped (warned).
+    Raises ValueError when the model is not a recommendation model this frontend
+    understands (the message says why).
     """
     named = _named(model)
+    bags: list[BagRewrite] = []
+    if vectorise_bags:
+        named, bags = rewrite_loop_bags(named)
     graph = _Graph(named)
     _check_signature(graph, where)
     if SCORES not in [o.name for o in named.graph.output]:
@@ -599,9 +606,16 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
     lookups = find_lookups(named)
     if not lookups:
         gathers = [n.name for n in graph.nodes if n.op_type in LOOKUP_OPS]
+        tables = {t for t, init in graph.initializers.items() if len(init.dims) == 2}
+        loops = [n.name for n in graph.nodes if n.op_type in CONTROL_FLOW_OPS and tables & set(graph.reads[n.name])]
+        hint = (f"; control-flow nodes {loops[:5]} read tables inside their bodies: an EmbeddingBag form sixfold "
+                "does not recognise (sum and mean are; max is not)" if loops else "")
         raise ValueError(f"{where}: no embedding lookup found (a Gather or GatherND on a rank-2 initializer whose "
                          f"ids come from {INDICES}); Gather nodes present: {gathers or 'none'}; nothing to place on "
-                         "the host")
+                         f"the host{hint}")
+    if bags:
+        pooled = {b.gather: b.pooling for b in bags}
+        lookups = [replace(lk, pooling=pooled.get(lk.gather, lk.pooling)) for lk in lookups]
     cut = _cut(graph, lookups, where)
 
     dense_ops = {n for n in cut.dense_nodes if graph.node(n).op_type in ("MatMul", "Gemm")}
@@ -641,6 +655,14 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
                       [model_inputs[n] if n in model_inputs else infos[n] for n in cut.dense_inputs],
                       [scores_info], "dense")
     _verify(host, dense, cut, feeds, observed, where)
+    if bags and not _same_as_original(model, named, feeds, observed, dense_dim, tables, pooling, limits):
+        log.warning("%s: the vectorised EmbeddingBag Loops (%s) answer differently from the model; keeping "
+                    "the Loops", where, ", ".join(b.loop for b in bags))
+        return cut_onnx(model, pooling=pooling, where=where, vectorise_bags=False)
+    if bags:
+        log.info("%s: %d EmbeddingBag Loop(s) vectorised into host lookups (%s)", where, len(bags),
+                 ", ".join(sorted({b.mode for b in bags})))
+    _warn_off_card(dense, where)
 
     small, large = _OBSERVE_ROWS
     flops = (_matmul_flops(graph, cut.dense_nodes, observed[large])
@@ -654,6 +676,58 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
                      dense_nodes=cut.dense_nodes, pooling=pooling, tables=facts, flops_per_item=flops,
                      lookup_bytes_per_item=lookup_bytes, dense_input_bytes_per_item=dense_in,
                      shapes=shapes, dtypes=dtypes, layouts=layouts)
+
+
+def _same_as_original(model: onnx.ModelProto, rewritten: onnx.ModelProto, feeds: dict[int, dict[str, np.ndarray]],
+                      observed: dict[int, dict[str, np.ndarray]], dense_dim: int, tables: int, pooling: int,
+                      limits: Sequence[int]) -> bool:
+    """The rewritten model's scores equal the original's on every example request, and on one with empty bags."""
+    session = _session(model, quiet=True)
+    for rows in _VERIFY_ROWS:
+        want = session.run([SCORES], feeds[rows])[0]
+        if want.shape != observed[rows][SCORES].shape or not np.allclose(
+                want, observed[rows][SCORES], rtol=0, atol=_TOLERANCE):
+            return False
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, pooling + 2, size=(9, tables)).astype(np.int32)
+    lengths[0] = 0
+    high = np.repeat(np.asarray(limits, dtype=np.int64)[None, :], 9, axis=0)
+    ids = np.concatenate([(rng.random(n) * h).astype(np.int64) for n, h in zip(lengths.reshape(-1), high.reshape(-1))])
+    feed = {DENSE: rng.standard_normal((9, dense_dim), dtype=np.float32), LENGTHS: lengths, INDICES: ids}
+    try:
+        want = session.run([SCORES], feed)[0]
+    except Exception:  # noqa: BLE001 - a fixed-pooling model takes no ragged request
+        return True
+    got = _session(rewritten, quiet=True).run([SCORES], feed)[0]
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=0, atol=_TOLERANCE))
+
+
+def _card_ops() -> frozenset[str]:
+    from sixfold.backends.conformance.ops import dense_ops
+    return frozenset(use["op"] for use in dense_ops()["ops"])
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for sub in _subgraphs(node):
+            yield from _all_nodes(sub)
+
+
+def _warn_off_card(dense: onnx.ModelProto, where: str) -> list[str]:
+    """Warn, naming them, about dense-partition ops outside the card op set (control flow above all)."""
+    card = _card_ops()
+    off = sorted({n.op_type for n in _all_nodes(dense.graph) if n.op_type not in card and n.op_type != "Constant"})
+    flow = [op for op in off if op in CONTROL_FLOW_OPS]
+    if flow:
+        loops = [n.name for n in dense.graph.node if n.op_type in CONTROL_FLOW_OPS][:5]
+        log.warning("%s: the dense partition keeps control-flow ops %s (%s) on the cards: a lookup pattern was not "
+                    "recognised, so they run per bag, outside the card op set; ops outside it: %s", where, flow,
+                    ", ".join(loops), off)
+    elif off:
+        log.warning("%s: the dense partition uses ops outside the card op set (backends/conformance/dense_ops.json): "
+                    "%s", where, off)
+    return off
 
 
 def _observed_layouts(runner: _Runner, observed: dict[int, dict[str, np.ndarray]], names: Sequence[str],
