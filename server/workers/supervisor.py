@@ -77,6 +77,24 @@ def follow_supervisor() -> None:
         raise SystemExit(f"sixfold-serve: worker's supervisor (pid {supervisor}) is gone")
 
 
+RUN_FOLDER_PREFIX = "sixfold-workers-"
+"""The workers' shared run folder: ``/dev/shm/sixfold-workers-<supervisor pid>-*``."""
+
+
+def _remove_stale_run_folders(parent: Path) -> None:
+    """Remove run folders of supervisors that no longer run: a killed supervisor cannot remove its own."""
+    for entry in parent.glob(f"{RUN_FOLDER_PREFIX}*-*"):
+        pid = entry.name[len(RUN_FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's supervisor, alive
+
+
 def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int, http_port: int,
                   metrics_port: int, tls_cert: str | None = None, tls_key: str | None = None,
                   metrics_token: str | None = None, print_line: Callable[[str], None] = print,
@@ -90,7 +108,9 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
     sixfold-serve before it got here (``sixfold.server.app.check_ports``, a plain bind that also tells
     apart another server holding a port the workers would join with SO_REUSEPORT).
     """
-    folder = Path(tempfile.mkdtemp(prefix="sixfold-workers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    _remove_stale_run_folders(Path(shm or tempfile.gettempdir()))
+    folder = Path(tempfile.mkdtemp(prefix=f"{RUN_FOLDER_PREFIX}{os.getpid()}-", dir=shm))
     base = [sys.executable, "-m", "sixfold.server.cli", *argv]
     worker_env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
     for key, value in (env or {}).items():

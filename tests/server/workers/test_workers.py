@@ -227,10 +227,19 @@ def test_a_signal_while_starting_stops_cleanly_and_workers_follow_a_killed_super
         assert serving.url, serving.output
         workers = _workers_of(serving.pid)
         assert len(workers) == 2
+        run_folders = list(Path("/dev/shm").glob(f"sixfold-workers-{serving.pid}-*"))
+        assert len(run_folders) == 1, "the run folder is named by its supervisor"
         serving.proc.kill()  # SIGKILL: the supervisor cannot pass anything on; the workers follow it out
         assert _wait_for(lambda: all(_gone(pid) for pid in workers)), "workers outlived their supervisor"
+        assert run_folders[0].exists()  # nobody could remove it ...
     finally:
         serving.kill()
+    following = ServeProcess(*cmd[1:])
+    try:
+        assert following.url, following.output
+        assert not run_folders[0].exists()  # ... until the next supervisor starts
+    finally:
+        following.kill()
 
 
 @pytest.fixture(scope="module")
