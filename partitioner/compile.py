@@ -13,7 +13,7 @@ import io
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from sixfold.backends.spec_catalog import load_spec
 from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES
 
 from sixfold.partitioner.pricing.cost import PartitionCost, flops_per_item, lookup_bytes_per_id, module_param_bytes, op_profile
-from sixfold.partitioner.frontends.torch_frontend import export_model
+from sixfold.partitioner.frontends.torch_frontend import export_model, output_names
 from sixfold.partitioner.cut.graph_cut import SplitGraph, cut_graph
 from sixfold.partitioner.cut.layout import BatchSymbols, Layout, batch_symbols, observed_layout, tensor_layout
 from sixfold.partitioner.cut.pooling import move_pooling_to_host
@@ -34,6 +34,7 @@ from sixfold.partitioner.plan import DeviceInfo, PartitionInfo, PartitionPlan, T
 from sixfold.partitioner.pricing.estimate import estimate_plan
 from sixfold.partitioner.cut.sparse_dense import assign_sparse_dense
 from sixfold.partitioner.cut.pipeline import node_costs, run_stages, split_stages
+from sixfold.partitioner.piece_check import check_pieces, onnx_piece
 from sixfold.partitioner.placement.strategy import STRATEGIES, PlanError, auto_refusal, choose, pipeline, replicate
 
 __all__ = ["PartitionedModel", "partition_model", "partition_builtin", "partition_file", "quantize_tables", "HOST_PARTITION", "DENSE_PARTITION"]
@@ -69,6 +70,15 @@ def _unsplittable(layouts: dict[str, Layout], where: str) -> str:
     """Why a batch of this partition can never be split or merged from parts ("" when it can)."""
     bad = [f"{n!r} is {layout.describe()}" for n, layout in layouts.items() if not layout.per_item]
     return f"{where} {'; '.join(bad)}: only a whole batch is right for it" if bad else ""
+
+
+def _check_item_major(outputs: dict[str, torch.Tensor], items: int) -> None:
+    """Every output is served item-major (``[items, ...]``) so a batch's answers split back per request."""
+    for name, value in outputs.items():
+        shape = list(value.shape)
+        if not shape or shape[0] != items:
+            raise PlanError(f"output {name!r} came out {shape} for a {items}-item request: every output must be "
+                            f"item-major, [{items}, ...] (one row per item)")
 
 
 def _run_host(split: SplitGraph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -124,14 +134,21 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     # An archive is already an export with the user's own dynamic shapes: cut it as it is.
     program = model if isinstance(model, torch.export.ExportedProgram) else export_model(
         model, tuple(small[n] for n in (DENSE, LENGTHS, INDICES)))
+    heads = output_names(program)  # every output of the model is served, named as the model names it
+    reference = model if isinstance(model, torch.nn.Module) else _unguarded(program)
     gm = program.module()
     labels = assign_sparse_dense(gm.graph)
     pooling_stays = move_pooling_to_host(gm, labels)  # the host stage ends with per-item tensors where it can
     gm.recompile()
-    split = cut_graph(gm, labels, [SCORES])
+    split = cut_graph(gm, labels, heads)
 
     small_b, large_b = _run_host(split, small), _run_host(split, large)
     small_args, large_args = _dense_args(split, small, small_b), _dense_args(split, large, large_b)
+    with torch.inference_mode():
+        small_out = dict(zip(heads, split.dense(*small_args)))
+        large_out = dict(zip(heads, split.dense(*large_args)))
+    _check_item_major(large_out, 64)
+    out_per_item = sum(t.numel() * t.element_size() for t in large_out.values()) / 64
 
     ids_per_item = large[INDICES].numel() / large[DENSE].shape[0]
     # Op profiles: a calibrated spec (sixfold-partition calibrate) prices each partition op by op.
@@ -147,7 +164,6 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         flops_per_item=flops_per_item(split.dense, small_args, 4, large_args, 64),
         bytes_per_item=2.0 * dense_in_per_item, weight_bytes_per_batch=dense_param,
         ops=op_profile(split.dense, small_args, 4, large_args, 64))
-    out_per_item = 4.0
 
     host_info = DeviceInfo(id="host", spec=host)
     card_infos = [DeviceInfo(id=f"card{i}", spec=spec) for i, spec in enumerate(cards)]
@@ -155,7 +171,7 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
     if strategy == "pipeline":
         try:
             staged = _pipeline_stages(split, small_args, large_args, host_info, card_infos, batch_rows, compile,
-                                      stages, batch_symbols(gm.graph))
+                                      stages, batch_symbols(gm.graph), heads)
         except PlanError as exc:
             raise (auto_refusal(dense_cost, card_infos, exc) if requested == "auto" else exc) from None
         placements = staged.placements
@@ -166,21 +182,20 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
         placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
         costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
         io_bytes = {HOST_PARTITION: (0.0, 0.0), DENSE_PARTITION: (dense_in_per_item, out_per_item)}
-    onnx_bytes = (_export_onnx(split.dense, large_args, split.dense_inputs, [SCORES])
+    onnx_bytes = (_export_onnx(split.dense, large_args, split.dense_inputs, heads)
                   if staged is None and compile else None)
     estimates = estimate_plan([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
+    _check_pieces(reference, split, heads, example, onnx_bytes, staged, name)
 
-    with torch.inference_mode():
-        scores, small_scores = split.dense(*large_args)[0], split.dense(*small_args)[0]
     symbols = batch_symbols(gm.graph)
     small_env, large_env = dict(zip(split.dense_inputs, small_args)), dict(zip(split.dense_inputs, large_args))
     layouts = {**_layouts(gm.graph, [DENSE, LENGTHS, INDICES], symbols, small, large),
                **_layouts(split.dense.graph, split.dense_inputs, symbols, small_env, large_env),
-               SCORES: observed_layout(small_scores, 4, scores, 64)}
+               **{n: observed_layout(small_out[n], 4, large_out[n], 64) for n in heads}}
     inputs = [_tensor_info(n, large[n], layout=layouts[n]) for n in (DENSE, LENGTHS, INDICES)]
     dense_reads = {n.name for n in split.dense.graph.nodes if n.op == "placeholder" and n.users}
-    outputs = [_tensor_info(SCORES, scores, layout=layouts[SCORES])]
-    dense_layouts = {n: layouts[n] for n in [*split.dense_inputs, SCORES]}
+    outputs = [_tensor_info(n, large_out[n], layout=layouts[n]) for n in heads]
+    dense_layouts = {n: layouts[n] for n in [*split.dense_inputs, *heads]}
     unsplittable = _unsplittable(dense_layouts, "card input")
     if unsplittable and pooling_stays:
         unsplittable += f" ({pooling_stays})"
@@ -212,13 +227,13 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
             bytes_per_item=host_cost.bytes_per_item, layouts=host_part.layouts()),
         DENSE_PARTITION: PartitionArtifact(
             name=DENSE_PARTITION, format="onnx", payload=onnx_bytes,
-            input_names=tuple(split.dense_inputs), output_names=(SCORES,),
+            input_names=tuple(split.dense_inputs), output_names=tuple(heads),
             param_bytes=dense_param, flops_per_item=dense_cost.flops_per_item,
             bytes_per_item=dense_cost.bytes_per_item, layouts=dense_part.layouts()),
     }
     dense_fx = PartitionArtifact(
         name=DENSE_PARTITION, format="torch-fx", payload=split.dense.eval(),
-        input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_param,
+        input_names=tuple(split.dense_inputs), output_names=tuple(heads), param_bytes=dense_param,
         flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item,
         layouts=dense_part.layouts())
     variants = {DENSE_PARTITION: [dense_fx]}
@@ -231,6 +246,30 @@ def partition_model(name: str, model: torch.nn.Module | torch.export.ExportedPro
                             variants=variants, costs=costs, io_bytes=io_bytes)
 
 
+def _unguarded(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """The archive's model as the cut runs it: without the guard call that pins the export's example range
+    (torch.export refuses batch 1 when it traced at 4; the pieces, and so the server, take it)."""
+    module = program.module()
+    for node in [n for n in module.graph.nodes if n.op == "call_module" and str(n.target).startswith("_guards_fn")]:
+        module.graph.erase_node(node)
+    module.recompile()
+    return module
+
+
+def _check_pieces(reference: torch.nn.Module, split: SplitGraph, heads: list[str], example: ExampleFn,
+                  onnx_bytes: bytes | None, staged: "_Staged | None", name: str) -> None:
+    """Refuse the plan unless its pieces answer like the model at 1, 2, 3, 7 and 64 items (``piece_check``)."""
+    def dense(env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(heads, split.dense(*[env[n] for n in split.dense_inputs])))
+    cards: dict[str, Callable] = {"dense": dense}
+    if onnx_bytes is not None:
+        cards["dense.onnx"] = onnx_piece(onnx_bytes, split.dense_inputs, heads)
+    if staged is not None:
+        cards["pipeline stages"] = lambda env: run_stages(staged.stages, {n: env[n] for n in split.dense_inputs})[1]
+    checked = check_pieces(reference, split, heads, example, cards, rtol=1e-3, atol=1e-4)
+    log.info("%s: pieces checked against the model on a %s", name, ", a ".join(checked))
+
+
 @dataclass
 class _Staged:
     placements: list
@@ -239,21 +278,24 @@ class _Staged:
     infos: list[PartitionInfo]
     artifacts: dict[str, PartitionArtifact]
     variants: dict[str, list[PartitionArtifact]]
+    stages: list = field(default_factory=list)
+    """The cut stages (``pipeline.Stage``), to run them in order."""
 
 
 def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], large_args: tuple[torch.Tensor, ...],
                      host_info: DeviceInfo, card_infos: list[DeviceInfo], batch_rows: int,
                      compile: bool = True, stages: int | None = None,
-                     symbols: BatchSymbols = BatchSymbols(None, None)) -> _Staged:
+                     symbols: BatchSymbols = BatchSymbols(None, None), heads: list[str] | None = None) -> _Staged:
     """Pick cut points (strategy.pipeline), cut the dense graph there (pipeline.split_stages), export each stage."""
     graph_costs = node_costs(split.dense, small_args, 4, large_args, 64)
     choice = pipeline(HOST_PARTITION, DENSE_PARTITION, graph_costs, host_info, card_infos, batch_rows=batch_rows,
                       stages=stages)
-    stages = split_stages(split.dense, choice.cuts, [SCORES])
+    heads = heads or [SCORES]
+    stages = split_stages(split.dense, choice.cuts, heads)
     stage_inputs, final = run_stages(stages, dict(zip(split.dense_inputs, large_args)))
     small_inputs, _ = run_stages(stages, dict(zip(split.dense_inputs, small_args)))
     bounds = [0, *choice.cuts, len(graph_costs.nodes)]
-    staged = _Staged(list(choice.placements), {}, {}, [], {}, {})
+    staged = _Staged(list(choice.placements), {}, {}, [], {}, {}, stages)
     for stage, name, inputs, small, (a, b) in zip(stages, choice.stage_names, stage_inputs, small_inputs,
                                                   zip(bounds[:-1], bounds[1:])):
         in_per, out_per = graph_costs.live_bytes_per_item(a), graph_costs.produced_bytes_per_item(a, b)
@@ -285,8 +327,8 @@ def _pipeline_stages(split: SplitGraph, small_args: tuple[torch.Tensor, ...], la
             layouts=staged.infos[-1].layouts())
             for fmt, payload in (("onnx", onnx), ("torch-fx", stage.module.eval()))]
         staged.artifacts[name], staged.variants[name] = made[0], made[1:]
-    if set(final) != {SCORES}:
-        raise AssertionError(f"pipeline stages return {sorted(final)}, not [{SCORES!r}]")
+    if set(final) != set(heads):
+        raise AssertionError(f"pipeline stages return {sorted(final)}, not {heads}")
     return staged
 
 

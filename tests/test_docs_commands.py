@@ -110,6 +110,8 @@ PARSE_ONLY = (
      "tests/partitioner/test_cross_cut_examples.py (the .pt2 files are made by the page's Python)"),
     ("docs/bring-your-own-model.md", "sixfold-partition pooled.pt2", "step 6, run by "
      "tests/partitioner/test_cross_cut_examples.py (the .pt2 files are made by the page's Python)"),
+    ("docs/bring-your-own-model.md", "sixfold-partition heads.pt2", "step 7, run by tests/server/test_two_heads.py "
+     "(heads.pt2 is made by the page's Python)"),
     ("docs/bring-your-own-model.md", "", "walked through by tests/server/test_bring_your_own_model.py"),
     ("README.md", "python -m sixfold.backends.conformance mycard", "the reader's own backend (docs/vendor.md's "
      "walkthrough runs the kit on the example one)"),

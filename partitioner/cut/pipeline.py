@@ -226,6 +226,8 @@ class GraphCosts:
     """Values the model returns (unit or input names), in order."""
     param_bytes: tuple[tuple[str, int], ...]
     """Bytes of each weight."""
+    learned: tuple[str, ...] = ()
+    """The weights that are floating-point tensors (a Linear's), not integer constants (an index buffer)."""
 
     @cached_property
     def _index(self) -> dict[str, int]:
@@ -273,6 +275,11 @@ class GraphCosts:
         """Weight bytes of a stage of units ``[start, end)`` (a weight used twice counts once)."""
         sizes = dict(self.param_bytes)
         return sum(sizes[p] for p in {p for n in self.nodes[start:end] for p in n.params})
+
+    def stage_has_weights(self, start: int, end: int) -> bool:
+        """Whether a stage of units ``[start, end)`` reads a learned weight (not only reshapes, concats, indexing)."""
+        learned = set(self.learned)
+        return any(p in learned for n in self.nodes[start:end] for p in n.params)
 
     def stage_flops_per_item(self, start: int, end: int) -> float:
         return sum(n.flops_per_item for n in self.nodes[start:end])
@@ -338,12 +345,15 @@ def node_costs(gm: fx.GraphModule, small: Sequence[torch.Tensor], small_rows: in
         return max(0.0, (table_b[name] - table_a[name]) / rows)
 
     weights: dict[str, int] = {}
+    learned: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = gm
             for part in str(node.target).split("."):
                 value = getattr(value, part)
             weights[str(node.target)] = _nbytes(value)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                learned.add(str(node.target))
 
     def params_of(node: fx.Node, seen: set[fx.Node]) -> set[str]:
         found: set[str] = set()
@@ -366,5 +376,5 @@ def node_costs(gm: fx.GraphModule, small: Sequence[torch.Tensor], small_rows: in
     inputs = tuple((_value_name(p), float(_nbytes(lg) - _nbytes(sm)) / rows)
                    for p, sm, lg in zip(placeholders, small, large))
     return GraphCosts(nodes=nodes, inputs=inputs, outputs=tuple(_value_name(r) for r in _results(output)),
-                      param_bytes=tuple(sorted(weights.items())))
+                      param_bytes=tuple(sorted(weights.items())), learned=tuple(sorted(learned)))
 

@@ -7,10 +7,10 @@ import logging
 import torch
 
 from sixfold import models
-from sixfold.models.signature import DENSE, INDICES, LENGTHS
+from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES
 
 __all__ = ["export_model", "export_builtin", "load_export_archive", "retrace_dynamic", "StaticExportError",
-           "CANONICAL_INPUTS"]
+           "CANONICAL_INPUTS", "output_names"]
 
 CANONICAL_INPUTS = (DENSE, LENGTHS, INDICES)
 
@@ -27,6 +27,33 @@ def export_model(model: torch.nn.Module, example: tuple[torch.Tensor, ...]) -> t
     dynamic = {DENSE: {0: auto}, LENGTHS: {0: auto}, INDICES: {0: auto}}
     with torch.inference_mode(False), torch.no_grad():
         return torch.export.export(model, example, dynamic_shapes=dynamic, strict=False)
+
+
+def output_names(program: torch.export.ExportedProgram) -> list[str]:
+    """The served names of a program's outputs, as the model names them.
+
+    A dict output gives its keys (``{"click": ..., "conversion": ...}``), a lone tensor is
+    ``scores``, and a tuple of several is named as torch.export names them (its graph's
+    output names). Every output of the model is served, so each needs a distinct name.
+    """
+    spec = program.call_spec.out_spec
+    user = list(program.graph_signature.user_outputs)
+    if spec is not None and spec.type is dict:
+        keys = [str(k) for k in spec.context]
+        nested = [k for k, child in zip(keys, spec.children()) if not child.is_leaf()]
+        if nested:
+            raise ValueError(f"the model's output {nested[0]!r} is a nested container; return one tensor per "
+                             "output name (a flat dict of tensors)")
+        return keys
+    if len(user) == 1:
+        return [SCORES]
+    names: list[str] = []
+    for name in user:  # the same value returned twice still needs two names
+        base, k = name, 1
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
 
 
 def export_builtin(name: str, *, max_rows: int | None = None, seed: int = 0
@@ -117,6 +144,11 @@ def retrace_dynamic(program: torch.export.ExportedProgram, where: str = "model")
     for node in [n for n in module.graph.nodes if (n.op == "call_module" and str(n.target).startswith("_guards_fn"))
                  or (n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default)]:
         module.graph.erase_node(node)
+    # A ``torch.tensor([...])`` constant is exported as lift_fresh_copy + detach_; re-exporting the in-place
+    # detach fails ("Can't detach views in-place"), a reason that has nothing to do with the batch. A no-op here.
+    for node in [n for n in module.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.detach_.default]:
+        node.replace_all_uses_with(node.args[0])
+        module.graph.erase_node(node)
     module.graph.eliminate_dead_code()
     module.recompile()
     user = [s.arg.name for s in program.graph_signature.input_specs
@@ -139,10 +171,55 @@ def retrace_dynamic(program: torch.export.ExportedProgram, where: str = "model")
         log.warning("%s was exported with static shapes; re-traced with a dynamic batch and id count", where)
         return retraced
     pinned = ", ".join(f"{n} {list(shapes[n])}" for n in CANONICAL_INPUTS)
+    baked = baked_sizes(program, batch_size)
+    why = (f"the example's {batch_size} items are baked into {'; '.join(baked[:3])}"
+           + (f" and {len(baked) - 3} more" if len(baked) > 3 else "") if baked
+           else f"torch.export: {reasons[0] if reasons else '?'}")
     raise StaticExportError(
         f"{where} was exported with static shapes ({pinned}): its graph is fixed to a {batch_size}-item request "
-        f"and cannot be re-traced for other batch sizes (torch.export: {reasons[-1] if reasons else '?'}). "
+        f"and cannot be re-traced for other batch sizes ({why}). "
         "Re-" + _static_fix(shapes))
+
+
+_SHAPE_OPS = {"view", "reshape", "_unsafe_view", "expand", "arange", "zeros", "ones", "full", "empty", "new_zeros",
+              "new_ones", "new_full", "new_empty", "repeat", "randn", "rand", "split_with_sizes", "narrow", "slice"}
+
+
+def _user_line(node: torch.fx.Node) -> str:
+    """The model's own source line that made ``node`` (the innermost frame outside torch), or ""."""
+    frames = (node.meta.get("stack_trace") or "").strip().splitlines()
+    found = ""
+    for i, line in enumerate(frames):
+        line = line.strip()
+        if line.startswith("File ") and "/torch/" not in line and i + 1 < len(frames):
+            parts = line.split('"')
+            file = parts[1].rsplit("/", 1)[-1] if len(parts) > 2 else "?"
+            number = line.split(", line ")[-1].split(",")[0] if ", line " in line else "?"
+            found = f"{file} line {number}: `{frames[i + 1].strip()}`"
+    return found
+
+
+def baked_sizes(program: torch.export.ExportedProgram, batch: int) -> list[str]:
+    """The ops of a static program that take a literal size that is a multiple of the example's batch.
+
+    Each says the op, its literal sizes and the model's source line: the real reason a static
+    export cannot be re-traced (torch.export's own error often names something unrelated).
+    """
+    if batch < 2:
+        return []
+    found = []
+    for node in program.graph.nodes:
+        op = str(getattr(node.target, "__name__", node.target)).split(".")[0]
+        if node.op != "call_function" or op not in _SHAPE_OPS:
+            continue
+        sizes = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)]
+        sizes += [v for a in node.args if isinstance(a, (list, tuple)) for v in a if isinstance(v, int)]
+        if not any(v >= batch and v % batch == 0 for v in sizes):
+            continue
+        literal = [list(a) for a in node.args if isinstance(a, (list, tuple))] or sizes
+        line = _user_line(node)
+        found.append(f"{op}({', '.join(map(str, literal))})" + (f" at {line}" if line else ""))
+    return found
 
 
 def _placeholder_dtype(program: torch.export.ExportedProgram, name: str) -> torch.dtype:

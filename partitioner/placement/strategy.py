@@ -13,8 +13,9 @@ Policy only: no graph, no tensors.
       best[s][j] = min over i < j of max(best[s-1][i], time(i, j))
       time(i, j) = link(in bytes) + roofline(FLOPs, weights) + link(out bytes)
 
-  subject to weights(i, j) x ACTIVATION_HEADROOM <= card memory and a cut only
-  where every crossing value is a batch-major tensor. It keeps the S with the
+  subject to weights(i, j) x ACTIVATION_HEADROOM <= card memory, a learned weight in
+  every stage (no stage of only weightless ops: a lone concat rides with its neighbour) and a cut
+  only where every crossing value is a batch-major tensor. It keeps the S with the
   highest throughput bound, floor(C / S) x rows / bottleneck (ties: fewer
   stages, i.e. lower latency).
 - ``choose`` resolves "auto": replicate when the dense partition fits a card,
@@ -150,6 +151,10 @@ class _StageModel:
             self._weights[key] = self.costs.stage_param_bytes(i, j)
         return self._weights[key]
 
+    def weighted(self, i: int, j: int) -> bool:
+        """A stage holds weights (a lone concat is not worth a card and a transfer), unless no node has any."""
+        return self.costs.stage_has_weights(i, j) or not self.costs.stage_has_weights(0, self.n)
+
     def fits(self, i: int, j: int) -> bool:
         return _need(self.weights(i, j)) <= self.capacity
 
@@ -191,7 +196,7 @@ class _StageModel:
                 if not self.cuttable[j]:
                     continue
                 for i in range(s - 1, j):
-                    if best[s - 1][i] == inf or not self.fits(i, j):
+                    if best[s - 1][i] == inf or not self.fits(i, j) or not self.weighted(i, j):
                         continue
                     t = max(best[s - 1][i], self.seconds(i, j))
                     if t < best[s][j]:
@@ -254,6 +259,10 @@ def pipeline(host_partition: str, dense_partition: str, costs: GraphCosts, host:
         replicas = len(cards) // s
         options.append((-(replicas * batch_rows / bottleneck) if bottleneck > 0 else -math.inf, s, cuts))
     if not options:
+        if stages is not None and model.fewest_stages() is not None and model.fewest_stages() <= stages:
+            raise PlanError(f"cannot make {stages} pipeline stages that each hold weights: the dense partition's "
+                            f"weighted nodes allow fewer (a stage of only weightless ops, a lone concat say, "
+                            "is merged with its neighbour); ask for fewer --stages")
         raise PlanError(_explain_unfit(model, cards, smallest))
     _, s, cuts = min(options, key=lambda o: (o[0], o[1]))
     bounds = [0, *cuts, model.n]

@@ -44,6 +44,35 @@ def _layers(nodes: Sequence[Hashable], inputs: dict[Hashable, list[Hashable]]) -
     return depth
 
 
+COLLAPSE_OVER = 2
+"""Same op, same partition, same layer: more than this many are drawn as one ``op xN`` box (26 lookups of a
+26-table DLRM drew 14,828 px wide; one box per kind keeps the drawing readable)."""
+
+
+def _collapse(nodes: Sequence[Hashable], inputs: dict[Hashable, list[Hashable]], names: dict[Hashable, str],
+              labels: dict, depth: dict[Hashable, int]) -> tuple[list[Hashable], dict, dict]:
+    """Repeated nodes of one layer (same op and label) folded into the first and one ``op xN`` box for the rest."""
+    groups: dict[tuple, list[Hashable]] = {}
+    for node in nodes:
+        groups.setdefault((depth[node], names[node], labels[node]), []).append(node)
+    into: dict[Hashable, Hashable] = {}
+    names = dict(names)
+    for group in groups.values():
+        if len(group) > COLLAPSE_OVER:
+            rest = group[1:]
+            names[rest[0]] = f"{names[rest[0]]} x{len(rest)}"
+            into.update({n: rest[0] for n in rest[1:]})
+    kept = [n for n in nodes if n not in into]
+    merged: dict[Hashable, list[Hashable]] = {n: [] for n in kept}
+    for node in nodes:
+        target = into.get(node, node)
+        for src in inputs[node]:
+            src = into.get(src, src)
+            if src not in merged[target]:
+                merged[target].append(src)
+    return kept, merged, names
+
+
 def draw_cut(gm: fx.GraphModule, labels: dict[fx.Node, str], path: str | Path, *, title: str = "",
              plan: PartitionPlan | None = None) -> Path:
     """Write a PNG of ``gm`` with each node coloured by its label (HOST, dense or a stage "dense.k").
@@ -162,6 +191,7 @@ def _render(nodes: Sequence[Hashable], inputs: dict[Hashable, list[Hashable]], n
     import matplotlib.pyplot as plt
 
     depth = _layers(nodes, inputs)
+    nodes, inputs, names = _collapse(nodes, inputs, names, labels, depth)
     by_layer: dict[int, list[Hashable]] = {}
     for node in nodes:
         by_layer.setdefault(depth[node], []).append(node)
