@@ -329,8 +329,15 @@ def _vectorised(prefix: str, match: _Match, trips: str, out: str, scan_of_rows: 
                                       name=p(f"{side}_stop")))
         nodes.append(helper.make_node("Slice", [source, c(f"{side}_from", [shift]), p(f"{side}_stop"), c(f"{side}_axis", [0])],
                                       [p(f"{side}_raw")], name=p(f"{side}_slice")))
-        nodes.append(helper.make_node("Cast", [p(f"{side}_raw")], [p(side)], name=p(f"{side}_cast"),
+        nodes.append(helper.make_node("Cast", [p(f"{side}_raw")], [p(f"{side}_raw_i64")], name=p(f"{side}_cast"),
                                       to=TensorProto.INT64))
+    # Bounds past the rows are clamped, as the Loop's Slice clamps them: [min(S, K), max(min(E, K), S)).
+    nodes += [
+        helper.make_node("Shape", [rows], [p("count")], name=p("count"), start=0, end=1),
+        helper.make_node("Min", [p("start_raw_i64"), p("count")], [p("start")], name=p("start_clamp")),
+        helper.make_node("Min", [p("end_raw_i64"), p("count")], [p("end_in")], name=p("end_clamp")),
+        helper.make_node("Max", [p("end_in"), p("start")], [p("end")], name=p("end_floor")),
+    ]
     nodes += [
         helper.make_node("Cast", [rows], [p("rows64")], name=p("rows64"), to=TensorProto.DOUBLE),
         helper.make_node("CumSum", [p("rows64"), c("axis0", [0])], [p("cumsum")], name=p("cumsum")),

@@ -698,7 +698,10 @@ def _same_as_original(model: onnx.ModelProto, rewritten: onnx.ModelProto, feeds:
         want = session.run([SCORES], feed)[0]
     except Exception:  # noqa: BLE001 - a fixed-pooling model takes no ragged request
         return True
-    got = _session(rewritten, quiet=True).run([SCORES], feed)[0]
+    try:
+        got = _session(rewritten, quiet=True).run([SCORES], feed)[0]
+    except Exception:  # noqa: BLE001 - the rewrite fails where the model answers: they differ
+        return False
     return got.shape == want.shape and bool(np.allclose(got, want, rtol=0, atol=_TOLERANCE))
 
 
