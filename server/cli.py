@@ -459,7 +459,7 @@ def _token_env(args: argparse.Namespace) -> dict[str, str | None]:
     return {env: getattr(args, f"{kind}_token") for kind, _, env in _TOKENS}
 
 
-def _apply_sla(args: argparse.Namespace) -> None:
+def apply_sla(args: argparse.Namespace) -> None:
     """The admission knobs not given, from the SLA (``--p99-ms``): the work bound is half of it (the other half is
     the batching window and a large query's own service; 30 ms at MLPerf's 60), the queue timeout at least 4x it."""
     if args.p99_ms is not None and not (math.isfinite(args.p99_ms) and args.p99_ms > 0):
@@ -488,7 +488,7 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
                         "the folder sixfold-partition --out wrote into (REPO/NAME/VERSION/plan.json)")
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds:g}: give 0 or more seconds")
-    _apply_sla(args)
+    apply_sla(args)
     if args.watch_deltas:
         if not args.model_repository:
             raise UsageError("--watch-deltas needs --model-repository (deltas are persisted in the version folders)")

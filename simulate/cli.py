@@ -55,7 +55,16 @@ def _add_serve_flags(group: argparse._ArgumentGroup) -> None:
 
 def serving_settings(args: argparse.Namespace) -> ServingSettings:
     """The scheduling settings sixfold-serve would build from the same flags."""
+    from sixfold.partitioner.cli import UsageError
+    from sixfold.server.cli import apply_sla
     from sixfold.server.scheduling.batcher import BatchingConfig
+    # NOTE: the work bound and the queue timeout not given: sixfold-serve's defaults (its --p99-ms is not taken
+    # here: this command's --p99-ms is the searched bound, not the served SLA)
+    args = argparse.Namespace(**{**vars(args), "p99_ms": None})
+    try:
+        apply_sla(args)
+    except UsageError as exc:
+        raise ValueError(str(exc)) from None
     try:
         extra = {"no_wait_rows": args.no_wait_rows} if hasattr(args, "no_wait_rows") else {}
         extra["all_in_dispatch"] = not getattr(args, "no_all_in_dispatch", False)

@@ -345,11 +345,11 @@ def test_workers_get_the_tokens_in_their_environment_not_their_argv(tmp_path) ->
 
 
 def test_the_sla_sets_the_admission_defaults_and_flags_given_win() -> None:
-    from sixfold.server.cli import _apply_sla, _parser as build_parser
+    from sixfold.server.cli import apply_sla, _parser as build_parser
 
     def resolved(*argv: str) -> tuple[float, int]:
         args = build_parser().parse_args(["--model", "tiny", *argv])
-        _apply_sla(args)
+        apply_sla(args)
         return args.max_queue_work_ms, args.default_timeout_us
 
     assert resolved() == (30.0, 1_000_000)  # MLPerf's 60 ms: the defaults as they were
