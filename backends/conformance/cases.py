@@ -18,9 +18,11 @@ from sixfold.backends.api import Arrays, PartitionArtifact
 
 __all__ = ["Case", "Reference", "case_from_artifact", "builtin_case", "builtin_cases", "case_source", "DEFAULT_MODELS"]
 
-DEFAULT_MODELS: tuple[str, ...] = ("rm2", "dlrm-mlperf", "rm2@fp16", "rm2@int8")
+DEFAULT_MODELS: tuple[str, ...] = ("rm2", "dlrm-mlperf", "rm2@fp16", "rm2@int8", "rm2/stage1of3", "rm2/stage2of3")
 """The zoo models whose dense partitions the kit runs by default; ``@fp16`` and ``@int8`` are the same partition
-at the precision ``sixfold-serve --dense-precision`` serves (a backend may decline one in ``supports()``)."""
+at the precision ``sixfold-serve --dense-precision`` serves (a backend may decline one in ``supports()``);
+``/stage1of3`` is the first stage of a 3-stage pipeline (``--strategy pipeline --stages 3``), which takes an
+input it only passes on to the next stage."""
 """Models the kit checks when none are named: the two dense-partition shapes of the zoo, fast to build."""
 
 

@@ -135,8 +135,8 @@ def test_builtins_pass_by_name(name: str) -> None:
 def test_onnxruntime_passes_the_default_run() -> None:
     report = run_conformance("onnxruntime")
     assert report.passed, report.failures
-    assert {r.case for r in report.results if not r.case.startswith("op ")} == {"rm2", "dlrm-mlperf", "rm2@fp16",
-                                                                               "rm2@int8"}
+    assert {r.case for r in report.results if not r.case.startswith("op ")} == {
+        "rm2", "dlrm-mlperf", "rm2@fp16", "rm2@int8", "rm2/stage1of3", "rm2/stage2of3"}
     assert "batch sizes 1..64" in report.result("dlrm-mlperf", "outputs").detail
 
 
@@ -216,3 +216,28 @@ def test_parse_option_reads_json_else_strings() -> None:
     assert parse_option("intra_op_threads=2") == ("intra_op_threads", 2)
     assert parse_option('faults={"hang": true}') == ("faults", {"hang": True})
     assert parse_option("functional=onnxruntime") == ("functional", "onnxruntime")
+
+
+class _ReadsEveryInput(OnnxRuntimeBackend):
+    """A card compiler that insists every input it is given is read by the graph (as OpenVINO's did)."""
+
+    def load(self, artifact, device):
+        import onnx
+
+        from sixfold.backends import BackendError
+
+        graph = onnx.load_from_string(bytes(artifact.payload)).graph
+        read = {name for node in graph.node for name in node.input}
+        unread = [i.name for i in graph.input if i.name not in read]
+        if unread:
+            raise BackendError(f"mycard compiler: inputs {unread} are not used by the graph")
+        return super().load(artifact, device)
+
+
+def test_pipeline_stage_cases_catch_a_backend_that_cannot_take_a_passed_on_input() -> None:
+    report = run_conformance(_ReadsEveryInput(), models=("rm2/stage1of3", "rm2/stage2of3"), max_batch=4, ops=False)
+    failed = {r.case for r in report.results if r.outcome == "fail"}
+    assert failed == {"rm2/stage1of3"}, [(r.case, r.check, r.detail) for r in report.failures]
+    assert "not used by the graph" in report.result("rm2/stage1of3", "load").detail
+    with pytest.raises(ValueError, match="MODEL/stageKofN"):
+        run_conformance("onnxruntime", models=("rm2/stage4of3",), max_batch=2, ops=False)
