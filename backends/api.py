@@ -28,7 +28,7 @@ from sixfold.backends.spec import DeviceSpec
 __all__ = ["BACKEND_API_VERSION", "PartitionArtifact", "TensorLayout", "Backend", "Executable", "BackendError", "DoesNotFit",
            "Arrays", "parse_api_version", "api_version_problem"]
 
-BACKEND_API_VERSION = "1.1"
+BACKEND_API_VERSION = "1.2"
 """The version of the vendor interface (``sixfold.backends``' ``__all__``), "MAJOR.MINOR".
 
 MINOR goes up when something is added and every plug-in written against an
@@ -50,6 +50,11 @@ class BackendError(RuntimeError):
 
 class DoesNotFit(BackendError):
     """The partition needs more device memory than is free; the message quotes both numbers."""
+
+
+class DeviceLost(BackendError):
+    """The device is gone for good (off the bus, fused off, a fatal ECC error): raised from ``run`` or ``load``,
+    it takes the card out of rotation without the close-reload-probe restarts any other error gets."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from sixfold.backends.api import Arrays, Executable
+from sixfold.backends.api import Arrays, DeviceLost, Executable
 from sixfold.models import DENSE, INDICES, LENGTHS
 
 from sixfold.server.scheduling.batcher import BatchInfo
@@ -754,7 +754,7 @@ class PlanRuntime:
                         return attempt.index, attempt.task.result()
                     text = f"card{attempt.index} failed ({type(exc).__name__}: {exc})"
                     failures.append(("error", text))
-                    self._fault(attempt.index, "error", text)
+                    self._fault(attempt.index, "error", text, lost=isinstance(exc, DeviceLost))
                 now = loop.time()
                 for attempt in [a for a in running if now >= a.deadline]:
                     running.remove(attempt)
@@ -839,7 +839,8 @@ class PlanRuntime:
                 self._fault(attempt.index, "hang", f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)")
             elif not attempt.task.cancelled() and attempt.task.exception() is not None:
                 exc = attempt.task.exception()
-                self._fault(attempt.index, "error", f"card{attempt.index} failed ({type(exc).__name__}: {exc})")
+                self._fault(attempt.index, "error", f"card{attempt.index} failed ({type(exc).__name__}: {exc})",
+                            lost=isinstance(exc, DeviceLost))
             else:
                 self._strikes[attempt.index] = 0
 
@@ -869,19 +870,24 @@ class PlanRuntime:
                         "; ".join(t for _, t in failures) or f"no healthy card ({states})")
         return outputs
 
-    def _fault(self, index: int, kind: str, why: str) -> None:
-        """Count a card fault; a hang or an error takes the card out (and restarts it)."""
+    def _fault(self, index: int, kind: str, why: str, *, lost: bool = False) -> None:
+        """Count a card fault; a hang or an error takes the card out (and restarts it, unless the backend said
+        the device is lost for good: ``DeviceLost``)."""
         self._count(index, kind)
         if kind in ("hang", "error"):
-            self._take_out(index, why)
+            self._take_out(index, why, lost=lost)
 
-    def _take_out(self, index: int, why: str) -> None:
+    def _take_out(self, index: int, why: str, *, lost: bool = False) -> None:
         if not self.router.loads[index].healthy:
             return
         self.router.mark_down(index)
         if self.card_gate is not None:
             self.card_gate.changed()
         self._strikes[index] += 1
+        if lost:
+            self.card_state[index] = f"lost for good: {why.removeprefix(f'card{index} ')}"
+            log.error("card%d lost for good (its backend raised DeviceLost): %s; it is not restarted", index, why)
+            return
         restarting = self.reload_card is not None
         self.card_state[index] = f"{why.removeprefix(f'card{index} ')}{', restarting' if restarting else ''}"
         log.warning("card%d out of rotation: %s", index, why)
@@ -905,11 +911,16 @@ class PlanRuntime:
                 self.cards[index] = await asyncio.to_thread(self.reload_card, index)
             except Exception as exc:  # noqa: BLE001 - stays out of rotation; the others keep serving
                 log.exception("card%d could not be restarted; it stays out of rotation", index)
-                self.card_state[index] = f"restart failed ({type(exc).__name__}: {exc})"
+                lost = "lost for good: " if isinstance(exc, DeviceLost) else ""
+                self.card_state[index] = f"{lost}restart failed ({type(exc).__name__}: {exc})"
                 return
             why = await self._probe_card(index)
             if why is None:
                 break
+            if why.startswith("lost"):
+                self.card_state[index] = f"{why} after a restart"
+                log.error("card%d lost for good after a restart: %s; it is not restarted again", index, why)
+                return
             self._strikes[index] += 1
             self.card_state[index] = f"{why} after a restart, restarting"
             log.warning("card%d failed its probe after a restart: %s", index, why)
@@ -937,7 +948,8 @@ class PlanRuntime:
             return f"hung (> {limit:.2f} s)"
         except Exception as exc:  # noqa: BLE001 - the card stays out
             self._count(index, "error")
-            return f"failed ({type(exc).__name__}: {exc})"
+            lost = "lost for good, " if isinstance(exc, DeviceLost) else ""
+            return f"{lost}failed ({type(exc).__name__}: {exc})"
         return None
 
     def _count(self, index: int, kind: str) -> None:

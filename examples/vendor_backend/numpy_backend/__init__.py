@@ -91,7 +91,7 @@ class NumpyRefBackend(Backend):
 
     name = "numpy-ref"
     formats = ("onnx",)
-    api_version = "1.1"  # the sixfold.backends.BACKEND_API_VERSION this was written against
+    api_version = "1.2"  # the sixfold.backends.BACKEND_API_VERSION this was written against
 
     def __init__(self, **options: Any) -> None:
         reject_unknown(self.name, options, ())

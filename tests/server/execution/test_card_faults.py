@@ -89,3 +89,35 @@ async def test_when_every_card_fails_the_batch_gets_unavailable_not_a_hang(rm1) 
         await asyncio.wait_for(runtime.run(_batches(1)[0], BatchInfo()), 10)
     assert info.value.reason == "card_error"  # the metrics label, apart from hangs
     runtime.close()
+
+
+async def test_a_card_whose_backend_says_it_is_lost_leaves_rotation_for_good(rm1) -> None:
+    from sixfold.backends import DeviceLost
+
+    _, partitioned = rm1
+    spec = load_spec("m2-card")
+    dense = partitioned.artifacts[DENSE_PARTITION]
+    cards = [SimCardBackend().load(dense, dataclasses.replace(spec, name=f"m2/card{i}")) for i in range(2)]
+
+    class _OffTheBus(type(cards[0])):
+        def run(self, feed):
+            raise DeviceLost("card0 fell off the PCIe bus")
+
+    cards[0].__class__ = _OffTheBus
+    reloads = []
+
+    def reload(index: int):
+        reloads.append(index)
+        return SimCardBackend().load(dense, dataclasses.replace(spec, name=f"m2/new{index}"))
+
+    runtime = PlanRuntime(load_host_stage(partitioned, load_spec("host-cpu")), cards, card_timeout_s=5.0,
+                          reload_card=reload)
+    runtime.router.loads[1].last_used = 10  # card0 is picked first
+    for batch in _batches(4):  # answered by card1 (the batch retried there), card0 never again
+        out = await runtime.run(batch, BatchInfo())
+        np.testing.assert_allclose(out["scores"], _expected(rm1, batch), atol=1e-5)
+    await asyncio.sleep(0.3)
+    assert not runtime.router.loads[0].healthy and reloads == []  # no close-reload-probe for a lost device
+    assert runtime.card_state[0].startswith("lost for good: failed (DeviceLost: card0 fell off the PCIe bus)")
+    assert runtime.router.loads[0].failures == 1
+    runtime.close()
