@@ -112,6 +112,10 @@ PARSE_ONLY = (
      "tests/partitioner/test_cross_cut_examples.py (the .pt2 files are made by the page's Python)"),
     ("docs/bring-your-own-model.md", "sixfold-partition heads.pt2", "step 7, run by tests/server/test_two_heads.py "
      "(heads.pt2 is made by the page's Python)"),
+    ("docs/bring-your-own-model.md", "sixfold-partition mixed.", "step 8, run by tests/server/test_user_model_examples.py "
+     "(mixed.pt2 and mixed.onnx are made by the page's Python)"),
+    ("docs/bring-your-own-model.md", "sixfold-partition torchrec_dlrm.pt2", "step 9, run by "
+     "tests/server/test_torchrec_example.py where torchrec is installed (the page's Python makes the file)"),
     ("docs/bring-your-own-model.md", "", "walked through by tests/server/test_bring_your_own_model.py"),
     ("README.md", "python -m sixfold.backends.conformance mycard", "the reader's own backend (docs/vendor.md's "
      "walkthrough runs the kit on the example one)"),
