@@ -373,6 +373,7 @@ class _Runner:
         options.intra_op_num_threads = options.inter_op_num_threads = 1
         options.log_severity_level = 4  # the pooling search expects failures; they are reported, not logged
         self.session = ort.InferenceSession(data, sess_options=options, providers=["CPUExecutionProvider"])
+        self.model = model
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every exposed tensor, plus the feed itself (a lookup may read ``sparse_indices`` directly)."""
@@ -450,8 +451,68 @@ def _probe_tables(runner: _Runner, lookups: list[Lookup], dense_dim: int, tables
                 if len(was) == 1 and len(now) == 1 and int(now[0]) == int(was[0]) + 1:
                     offset = int(was[0])
             reads[lk.gather].append((t, offset))
+    reads = _probe_large_ids(runner, lookups, reads, dense_dim, tables, pooling, base)
     return [replace(lk, table_indices=tuple(t for t, _ in reads[lk.gather]),
                     offsets=tuple(o for _, o in reads[lk.gather])) for lk in lookups]
+
+
+_LARGE_ID = (1 << 33) + 7
+"""A probe id past any table: a shifted id moves its row by exactly this much, a hashed one does not."""
+
+
+def _probe_large_ids(runner: _Runner, lookups: list[Lookup], reads: dict[str, list[tuple[int, int | None]]],
+                     dense_dim: int, tables: int, pooling: int,
+                     base: dict[str, np.ndarray]) -> dict[str, list[tuple[int, int | None]]]:
+    """Ids 0 and 1 cannot tell ``id % rows`` from ``id``: run the index arithmetic alone on a large id too.
+
+    Only the ancestors of the lookups' ids run (no table, so no Gather out of range); where the ids
+    of a shifted-looking table index do not move by exactly the large id, they are transformed.
+    """
+    session, outputs = _ids_only(runner.model, lookups)
+    if session is None:
+        return reads
+    rows = 3
+    feeds = [i.name for i in session.get_inputs()]
+    before = {lk.ids: base[lk.ids] for lk in lookups}
+    out: dict[str, list[tuple[int, int | None]]] = {g: list(r) for g, r in reads.items()}
+    for t in range(tables):
+        if not any(o is not None and tt == t for r in reads.values() for tt, o in r):
+            continue
+        ids = np.zeros((rows, tables, pooling), dtype=np.int64)
+        ids[:, t, :] = _LARGE_ID
+        request = _request(rows, dense_dim, tables, pooling, ids)
+        try:
+            got = dict(zip(outputs, session.run(outputs, {n: request[n] for n in feeds})))
+        except Exception:  # noqa: BLE001 - the index arithmetic refuses such an id: leave the first probe's answer
+            continue
+        for lk in lookups:
+            entry = next(((i, o) for i, (tt, o) in enumerate(out[lk.gather]) if tt == t and o is not None), None)
+            if entry is None:
+                continue
+            after, was = np.asarray(got[f"{lk.ids}__probe"]), np.asarray(before[lk.ids])
+            moved = (after.astype(np.int64) - was.astype(np.int64))[after != was] if after.shape == was.shape else None
+            if moved is None or moved.size == 0 or not np.all(moved == _LARGE_ID):
+                out[lk.gather][entry[0]] = (t, None)
+    return out
+
+
+def _ids_only(model: onnx.ModelProto, lookups: list[Lookup]) -> tuple[Any, list[str]]:
+    """An onnxruntime session computing only the lookups' ids (their ancestors, no table), or (None, [])."""
+    graph = _Graph(model)
+    ids = list(dict.fromkeys(lk.ids for lk in lookups))
+    nodes = graph.ordered(graph.ancestors(graph.producer[t] for t in ids if t in graph.producer))
+    needed = {t for n in nodes for t in graph.reads[n]} | set(ids)
+    outputs = [f"{t}__probe" for t in ids]
+    body = helper.make_graph(
+        [graph.node(n) for n in nodes] + [helper.make_node("Identity", [t], [o]) for t, o in zip(ids, outputs)],
+        "ids_only", [vi for name, vi in graph.inputs.items() if name in needed],
+        [onnx.ValueInfoProto(name=o) for o in outputs],
+        initializer=[t for t in model.graph.initializer if t.name in needed])
+    try:
+        return _session(helper.make_model(body, opset_imports=list(model.opset_import),
+                                          ir_version=model.ir_version), quiet=True), outputs
+    except Exception:  # noqa: BLE001 - a graph that cannot stand alone: keep the first probe's answer
+        return None, []
 
 
 def _table_facts(lookups: list[Lookup], tables: int, pooling: int, where: str) -> dict[str, Any]:

@@ -76,6 +76,8 @@ def probe_table_rows(host: fx.GraphModule, input_names: list[str], tables: int, 
         log.warning("could not probe the host graph for table sizes: %s", exc)
         return None
     rows = _positional(probe.reads, tables, pooling, total)
+    if rows is not None and not _moves_with_ids(host, input_names, made, probe.reads):
+        rows = None  # small positions passed through, large ones do not: hashed (id % rows), not used as they come
     if rows is None:  # ids shifted into a shared table, or one op for several tables: ask by difference
         rows = _shifted(host, input_names, made, tables, pooling)
     return rows
@@ -97,6 +99,19 @@ def _positional(reads: list[tuple[int, torch.Tensor]], tables: int, pooling: int
     if any(r is None for r in rows):
         return None
     return [int(r) for r in rows]  # type: ignore[arg-type]
+
+
+def _moves_with_ids(host: fx.GraphModule, input_names: list[str], made: dict[str, torch.Tensor],
+                    reads: list[tuple[int, torch.Tensor]]) -> bool:
+    """Each lookup reads the positions shifted by ``_BIG_ID`` when the ids are (no ``id % rows`` in between)."""
+    probe = _Probe(host)
+    try:
+        with torch.no_grad():
+            probe.run(*({**made, INDICES: made[INDICES] + _BIG_ID}[n] for n in input_names))
+    except Exception:  # noqa: BLE001 - a graph that refuses large ids keeps the positional answer
+        return True
+    return len(probe.reads) == len(reads) and all(
+        big.shape == ids.shape and torch.equal(big, ids + _BIG_ID) for (_, big), (_, ids) in zip(probe.reads, reads))
 
 
 _BIG_ID = 1_000_003
