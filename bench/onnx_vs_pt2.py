@@ -155,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--form", choices=["onehot", "jagged"], default="onehot", help="one id per bag, or 1..3 via offsets")
     p.add_argument("--repeat-interleave", action="store_true",
                    help="jagged: find each id's table with repeat_interleave (slow in both ONNX exports)")
+    p.add_argument("--quick", action="store_true", help="10 requests (run_all's smoke run)")
     p.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
+    if args.quick:
+        args.requests = min(args.requests, 10)
     jagged = args.form == "jagged"
     model = DLRMish(args.rows, jagged, args.repeat_interleave).eval()
     with tempfile.TemporaryDirectory(prefix="onnx_vs_pt2_") as tmp:
