@@ -147,6 +147,8 @@ def _read_artifact(folder: Path, plan: PartitionPlan, info) -> PartitionArtifact
         return PartitionArtifact(format="onnx", payload=where.read_bytes(), **common)
     if where.suffix == ".pt2":
         import torch
+
+        from sixfold.partitioner.frontends.host_export import unguarded_module
         program = torch.export.load(str(where))
-        return PartitionArtifact(format="torch-fx", payload=program.module(), **common)
+        return PartitionArtifact(format="torch-fx", payload=unguarded_module(program), **common)
     raise RepositoryError(f"{where}: unknown artifact type (expected a tables/ folder, .onnx or .pt2)")
