@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sixfold.backends.processes import process_alive
+
 __all__ = ["CACHE_ENV", "FORMAT", "default_cache_dir", "content_key", "source_checksum", "write_npy",
            "remove_stale_temporaries", "prepare_dir"]
 
@@ -94,7 +96,7 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
         return removed
     for entry in entries:
         m = _TMP.match(entry.name)
-        if not m or _alive(int(m.group(1))):
+        if not m or process_alive(int(m.group(1))):
             continue
         try:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -104,18 +106,6 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
     if removed:
         log.info("removed %d temporaries left by stopped processes in %s", len(removed), folder)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_npy(path: Path, dtype: np.dtype | type, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> None:

@@ -49,6 +49,7 @@ import numpy as np
 
 from sixfold.backends.host.derived_cache import remove_stale_temporaries, write_npy
 from sixfold.backends.os_threads import start_worker_thread
+from sixfold.backends.processes import process_alive
 from sixfold.partitioner.tables.deltas import DELTA_FILE, Delta, DeltaError, read_delta, version_fingerprint
 
 from sixfold.server.errors import InvalidInput, ModelNotFound, ServingError, clip, clip_names
@@ -460,18 +461,8 @@ def _remove_stale_uploads() -> None:
     """Remove uploaded-delta folders of processes that no longer run (a kill during an apply leaves one)."""
     for entry in Path(tempfile.gettempdir()).glob(f"{_UPLOAD_PREFIX}*-*"):
         pid = entry.name[len(_UPLOAD_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def serve_request(core: Any, name: str, request: tuple[str, Any]) -> dict[str, Any]:

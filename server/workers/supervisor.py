@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from sixfold.backends.processes import process_alive
 from sixfold.server.workers.process import READY_PREFIX, ReadyProcess
 from sixfold.server.observability.metrics import MetricsEndpoint
 from sixfold.server.workers.worker_metrics import WorkersMetrics
@@ -85,14 +86,8 @@ def _remove_stale_run_folders(parent: Path) -> None:
     """Remove run folders of supervisors that no longer run: a killed supervisor cannot remove its own."""
     for entry in parent.glob(f"{RUN_FOLDER_PREFIX}*-*"):
         pid = entry.name[len(RUN_FOLDER_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-        except PermissionError:
-            pass  # another user's supervisor, alive
 
 
 def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int, http_port: int,
