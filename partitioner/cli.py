@@ -23,7 +23,7 @@ from rich.console import Console
 from sixfold import models
 
 __all__ = ["main", "UsageError", "OneLineParser", "DefaultsHelpFormatter", "error_text", "os_error_text",
-           "check_input_file", "check_input_dir", "check_output_file", "check_output_dir"]
+           "check_input_file", "check_input_dir", "check_output_file", "check_output_dir", "read_token_file"]
 
 
 # What the sixfold commands share for their users' mistakes (sixfold-serve, -delta and -simulate import it):
@@ -81,6 +81,20 @@ def check_input_file(path: str | Path, flag: str, what: str) -> Path:
     if not os.access(p, os.R_OK):
         raise UsageError(f"{flag} {path}: this user cannot read it; give {what} it can read")
     return p
+
+
+def read_token_file(path: str, flag: str) -> str:
+    """The first line of ``path``, stripped; UsageError naming the flag if it is missing, unreadable or empty."""
+    what = "a file whose first line is the token"
+    check_input_file(path, flag, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag} {path}: could not read it ({error_text(exc)}); give {what}") from None
+    if not token:
+        raise UsageError(f"{flag} {path}: its first line is empty; give {what}")
+    return token
 
 
 def check_input_dir(path: str | Path, flag: str, what: str) -> Path:

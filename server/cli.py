@@ -20,7 +20,7 @@ from rich.console import Console
 from sixfold import models
 from sixfold.backends.api import BackendError
 from sixfold.partitioner.cli import (DefaultsHelpFormatter, OneLineParser, UsageError, check_input_dir,
-                                     check_input_file, check_spec, error_text)
+                                     check_input_file, check_spec, error_text, read_token_file)
 
 from sixfold.server.memory.allocator import keep_freed_memory
 from sixfold.server.app import ServerConfig, SixfoldServer, check_ports
@@ -407,7 +407,7 @@ def _resolve_tokens(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"{flag} and {flag}-file both given: give one ({flag}-file keeps the token out of "
                              "the process list)")
         if path is not None:
-            token = _read_token_file(path, f"{flag}-file")
+            token = read_token_file(path, f"{flag}-file")
         elif direct is not None:
             token = direct
             warnings.append(f"{flag} on the command line: any local user can read it in the process list "
@@ -416,20 +416,6 @@ def _resolve_tokens(args: argparse.Namespace) -> list[str]:
             token = os.environ.get(env)
         setattr(args, f"{kind}_token", token or None)
     return warnings
-
-
-def _read_token_file(path: str, flag: str) -> str:
-    """The first line of ``path``, stripped; UsageError naming the flag if it is missing, unreadable or empty."""
-    what = "a file whose first line is the token"
-    check_input_file(path, flag, what)
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{flag} {path}: could not read it ({error_text(exc)}); give {what}") from None
-    if not token:
-        raise UsageError(f"{flag} {path}: its first line is empty; give {what}")
-    return token
 
 
 _TOKEN_OPTIONS = ("--control-token", "--control-token-file", "--metrics-token", "--metrics-token-file")

@@ -129,17 +129,9 @@ def _check_paths(args: argparse.Namespace) -> None:
 def _token(args: argparse.Namespace) -> str | None:
     """The control token: --control-token-file's first line, --control-token (warned: argv is public), or
     $SIXFOLD_CONTROL_TOKEN; UsageError naming the file if it cannot be read or is empty."""
-    from sixfold.partitioner.cli import UsageError, error_text
+    from sixfold.partitioner.cli import read_token_file
     if getattr(args, "control_token_file", None):
-        try:
-            with open(args.control_token_file, encoding="utf-8") as f:
-                token = f.readline().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"--control-token-file {args.control_token_file}: could not read it "
-                             f"({error_text(exc)})") from None
-        if not token:
-            raise UsageError(f"--control-token-file {args.control_token_file}: its first line is empty")
-        return token
+        return read_token_file(args.control_token_file, "--control-token-file")
     if getattr(args, "control_token", None):
         print("sixfold-delta: warning: --control-token on the command line: any local user can read it in the "
               "process list; give --control-token-file PATH or $SIXFOLD_CONTROL_TOKEN", file=sys.stderr)
