@@ -496,21 +496,27 @@ def _probe_large_ids(runner: _Runner, lookups: list[Lookup], reads: dict[str, li
     return out
 
 
-def _ids_only(model: onnx.ModelProto, lookups: list[Lookup]) -> tuple[Any, list[str]]:
-    """An onnxruntime session computing only the lookups' ids (their ancestors, no table), or (None, [])."""
+def _ids_model(model: onnx.ModelProto, lookups: list[Lookup], suffix: str
+               ) -> tuple[onnx.ModelProto, list[str], list[str]]:
+    """A model computing only the lookups' ids (their ancestors, no table): (model, ids, its outputs ``ID__suffix``)."""
     graph = _Graph(model)
     ids = list(dict.fromkeys(lk.ids for lk in lookups))
     nodes = graph.ordered(graph.ancestors(graph.producer[t] for t in ids if t in graph.producer))
     needed = {t for n in nodes for t in graph.reads[n]} | set(ids)
-    outputs = [f"{t}__probe" for t in ids]
+    outputs = [f"{t}__{suffix}" for t in ids]
     body = helper.make_graph(
         [graph.node(n) for n in nodes] + [helper.make_node("Identity", [t], [o]) for t, o in zip(ids, outputs)],
-        "ids_only", [vi for name, vi in graph.inputs.items() if name in needed],
+        f"ids_{suffix}", [vi for name, vi in graph.inputs.items() if name in needed],
         [onnx.ValueInfoProto(name=o) for o in outputs],
         initializer=[t for t in model.graph.initializer if t.name in needed])
+    return helper.make_model(body, opset_imports=list(model.opset_import), ir_version=model.ir_version), ids, outputs
+
+
+def _ids_only(model: onnx.ModelProto, lookups: list[Lookup]) -> tuple[Any, list[str]]:
+    """An onnxruntime session computing only the lookups' ids (their ancestors, no table), or (None, [])."""
+    ids_model, _, outputs = _ids_model(model, lookups, "probe")
     try:
-        return _session(helper.make_model(body, opset_imports=list(model.opset_import),
-                                          ir_version=model.ir_version), quiet=True), outputs
+        return _session(ids_model, quiet=True), outputs
     except Exception:  # noqa: BLE001 - a graph that cannot stand alone: keep the first probe's answer
         return None, []
 
@@ -919,17 +925,8 @@ def onnx_id_check(host: bytes | onnx.ModelProto, input_names: Sequence[str]) -> 
     lookups = find_lookups(model)
     if not lookups:
         return None
-    graph = _Graph(model)
-    ids = list(dict.fromkeys(lk.ids for lk in lookups))
-    nodes = graph.ordered(graph.ancestors(graph.producer[t] for t in ids if t in graph.producer))
-    needed = {t for n in nodes for t in graph.reads[n]} | set(ids)
-    outputs = [f"{t}__rows" for t in ids]
-    body = helper.make_graph(
-        [graph.node(n) for n in nodes] + [helper.make_node("Identity", [t], [o]) for t, o in zip(ids, outputs)],
-        "id_check", [vi for name, vi in graph.inputs.items() if name in needed],
-        [onnx.ValueInfoProto(name=o) for o in outputs],
-        initializer=[t for t in model.graph.initializer if t.name in needed])
-    session = _session(helper.make_model(body, opset_imports=list(model.opset_import), ir_version=model.ir_version))
+    ids_model, ids, outputs = _ids_model(model, lookups, "rows")
+    session = _session(ids_model)
     feeds = [i.name for i in session.get_inputs()]
     order = [outputs[ids.index(lk.ids)] for lk in lookups]
 
