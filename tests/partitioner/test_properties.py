@@ -160,7 +160,9 @@ def test_replicate_and_pipeline_keep_the_partition_invariants(drawn, cards, memo
         choice = pipeline("sparse", "dense", costs, host, devices, batch_rows=64)
     except PlanError as exc:
         needed = re.search(r"needs at least (\d+) pipeline stages .* there are (\d+) cards", str(exc))
-        assert needed and int(needed[1]) > cards == int(needed[2]), str(exc)
+        # NOTE: >= : every stage must also hold a learned weight, so a split into exactly `cards` stages by
+        # memory alone may still be refused (weightless stages merge into a neighbour)
+        assert needed and int(needed[1]) >= cards == int(needed[2]), str(exc)
         assert any(ch.isdigit() for ch in str(exc))
         event("pipeline refused")
         return
