@@ -26,6 +26,7 @@ from sixfold.server.model.served import ServedModel
 from sixfold.server.loading.model_config import to_model_config
 from sixfold.server.loading.model_control import authorized_control, check_change_parameters
 from sixfold.server.protocol.shared_memory import check_local_peer, enabled, grpc_peer_host
+from sixfold.server.transport.receive_budget import ReceiveBudget
 from sixfold.server.workers.siblings import from_sibling
 
 __all__ = ["InferenceServicer"]
@@ -71,8 +72,11 @@ def _duration(d: Any) -> service_pb2.StatisticDuration:
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, core: InferenceCore, *, control_token: str | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, receive_budget: ReceiveBudget | None = None) -> None:
         self.core = core
+        self.receive_budget = receive_budget
+        """The server's request-byte budget (``--max-queue-bytes-mb``), which ModelStreamInfer's requests hold
+        while in flight (ModelInfer's are held by ``grpc_receive.bounded_model_infer``); None: no bound."""
         self.metrics = metrics
         """Counts requests refused before they reach a model (the model counts its own failures)."""
         self.control_token = control_token
@@ -216,10 +220,17 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Bidirectional stream: each request is answered as soon as it completes (ids tell
-        them apart); a failed request becomes an ``error_message`` and the stream goes on."""
-        answers: asyncio.Queue = asyncio.Queue()
+        them apart); a failed request becomes an ``error_message`` and the stream goes on.
 
-        async def answer(request: service_pb2.ModelInferRequest) -> None:
+        Each request holds its size in the receive budget until answered; one that does not fit is
+        answered at once with a RESOURCE_EXHAUSTED ``error_message`` (how Triton reports a failed
+        stream request) and dropped, and the stream goes on. The message is read before it is
+        judged (a stream's next message may come any time later, so no room is reserved for it
+        while the stream idles): at most one unadmitted message per stream is held, briefly."""
+        answers: asyncio.Queue = asyncio.Queue()
+        budget = self.receive_budget
+
+        async def answer(request: service_pb2.ModelInferRequest, held: int) -> None:
             self.core.rpc_started()
             try:
                 reply = service_pb2.ModelStreamInferResponse(
@@ -229,18 +240,30 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     log.exception("stream request %s failed", request.id)
                 message = clip(exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}",
                                _MESSAGE_CHARS)
-                reply = service_pb2.ModelStreamInferResponse(
-                    error_message=message, infer_response=service_pb2.ModelInferResponse(
-                        model_name=request.model_name, model_version=request.model_version, id=request.id))
+                reply = _stream_error(request, message)
             finally:
                 self.core.rpc_finished()
+                if budget is not None:
+                    budget.release(held)
             await answers.put(reply)
+
+        def refusal(request: service_pb2.ModelInferRequest) -> service_pb2.ModelStreamInferResponse:
+            assert budget is not None
+            if self.metrics is not None:
+                self.metrics.record_refused("grpc", "receive_budget")
+            return _stream_error(request, f"RESOURCE_EXHAUSTED: the server holds {budget.held >> 20} MiB of "
+                                          f"requests in flight, its limit is {budget.limit >> 20} MiB "
+                                          "(--max-queue-bytes-mb); retry later")
 
         async def read() -> None:
             tasks: set[asyncio.Task] = set()
             try:
                 async for request in request_iterator:
-                    task = asyncio.ensure_future(answer(request))
+                    held = request.ByteSize() if budget is not None else 0
+                    if budget is not None and not budget.try_hold(held):
+                        await answers.put(refusal(request))
+                        continue
+                    task = asyncio.ensure_future(answer(request, held))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
@@ -254,3 +277,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield reply
         finally:
             reader.cancel()
+
+
+def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
+    """A stream's answer to one failed request: its ids and ``message`` (the stream goes on)."""
+    return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=service_pb2.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id))
