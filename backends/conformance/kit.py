@@ -54,6 +54,13 @@ class _Context:
         self.timeout_s, self.atol, self.report = timeout_s, atol, report
         self.main: Executable | None = None
         self._devices = 0
+        self.max_error: float | None = None
+        """The largest |answer - onnxruntime| the current check compared (None: it compared no numbers)."""
+        self._error_lock = threading.Lock()
+
+    def _seen(self, error: float) -> None:
+        with self._error_lock:  # the concurrency check compares on several threads
+            self.max_error = error if self.max_error is None else max(self.max_error, error)
 
     def device(self) -> DeviceSpec:
         """A fresh device name each time: each load is its own card, as the server does it."""
@@ -107,8 +114,11 @@ class _Context:
                 return f"batch {rows}: {name} shape {got.shape}, expected {want.shape}"
             if got.dtype != want.dtype:
                 return f"batch {rows}: {name} dtype {got.dtype}, expected {want.dtype}"
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+            if diff.size:
+                both_nan = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
+                self._seen(float(np.max(np.where(both_nan, 0.0, np.where(np.isnan(diff), np.inf, diff)))))
             if not np.allclose(got, want, rtol=0.0, atol=self.atol, equal_nan=True):
-                diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
                 worst = np.unravel_index(int(np.nanargmax(np.where(np.isnan(diff), np.inf, diff))), diff.shape)
                 return (f"batch {rows}: {name} differs from onnxruntime by up to {np.nanmax(diff):.3g} "
                         f"(atol {self.atol:g}) at {tuple(int(i) for i in worst)}: got {got[worst]!r}, "
@@ -482,6 +492,7 @@ async def _run_case(backend: Backend, case: Case, spec: DeviceSpec, checks: Sequ
                 report.results.append(CheckResult(case.name, name, "skip", 0.0, "not run: load failed"))
                 continue
             t0 = time.perf_counter()
+            ctx.max_error = None
             try:
                 detail = await _CHECK_FNS[name](ctx)
                 outcome = "pass"
@@ -489,7 +500,9 @@ async def _run_case(backend: Backend, case: Case, spec: DeviceSpec, checks: Sequ
                 detail, outcome = str(exc), "fail"
             except Exception as exc:
                 detail, outcome = f"raised {type(exc).__name__}: {exc}", "fail"
-            report.results.append(CheckResult(case.name, name, outcome, time.perf_counter() - t0, detail))  # type: ignore[arg-type]
+            compared = ctx.max_error is not None
+            report.results.append(CheckResult(case.name, name, outcome, time.perf_counter() - t0, detail,  # type: ignore[arg-type]
+                                              atol=ctx.atol if compared else None, max_error=ctx.max_error))
     finally:
         if ctx.main is not None:
             try:

@@ -24,6 +24,19 @@ class CheckResult:
     never sends it; counts as passed)."""
     seconds: float
     detail: str = ""
+    atol: float | None = None
+    """The absolute tolerance the check compared answers with (the kit's ``atol``, or a case's own when larger:
+    fp16 and int8 cases carry theirs); None for a check that compares no answers (memory, close, ...)."""
+    max_error: float | None = None
+    """The largest |answer - onnxruntime| the check saw over every answer it compared (a failing one included);
+    None when it compared none."""
+
+    @property
+    def tolerance_text(self) -> str:
+        """"max err 3.1e-07 / atol 1e-04" for a check that compared answers, else ""."""
+        if self.max_error is None or self.atol is None:
+            return ""
+        return f"{self.max_error:.1e} / {self.atol:.0e}"
 
     @property
     def passed(self) -> bool:
@@ -78,10 +91,11 @@ class ConformanceReport:
         table.add_column("check")
         table.add_column("result")
         table.add_column("time", justify="right")
+        table.add_column("max err / atol", justify="right")
         table.add_column("detail", overflow="fold")
         style = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]SKIP[/]", "declined": "[cyan]DECLINED[/]"}
         for r in self.results:
-            table.add_row(r.case, r.check, style[r.outcome], f"{r.seconds:.2f}s", r.detail)
+            table.add_row(r.case, r.check, style[r.outcome], f"{r.seconds:.2f}s", r.tolerance_text, r.detail)
         return table
 
     def to_dict(self) -> dict[str, Any]:
