@@ -15,7 +15,8 @@ with no pooling (one-hot) is still a lookup; its gathered rows cross the cut.
           table index each lookup serves, boundary types, MatMul/Gemm shapes
         --> host.onnx + dense.onnx (checked, and host∘dense == model to 1e-5)
 
-Values that cross the cut keep their names in the original model. Index
+Every output of the model (a click and a conversion head, say) is served under its own
+name; the dense model returns them all. Values that cross the cut keep their names in the original model. Index
 arithmetic that does not read ``sparse_indices`` (a batch size taken from
 ``Shape(dense_features)``, a shared shape constant) is recomputed on the dense
 side rather than shipped, so every boundary tensor is batch-shaped.
@@ -124,9 +125,11 @@ class OnnxSplit:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     """Observed shape of each model input and boundary tensor (-1 where it varies)."""
     dtypes: dict[str, int] = field(default_factory=dict)
-    """ONNX element type of each model input, boundary tensor and the scores."""
+    """ONNX element type of each model input, boundary tensor and output head."""
     layouts: dict[str, Layout] = field(default_factory=dict)
-    """Rows per item of each model input, boundary tensor and the scores (``_observed_layouts``)."""
+    """Rows per item of each model input, boundary tensor and output head (``_observed_layouts``)."""
+    heads: list[str] = field(default_factory=lambda: [SCORES])
+    """Every output of the model, named and ordered as the model has them (all served)."""
 
     @property
     def labels(self) -> dict[str, str]:
@@ -304,14 +307,14 @@ class _Cut:
     dense_inputs: list[str]
 
 
-def _cut(graph: _Graph, lookups: list[Lookup], where: str) -> _Cut:
-    """Host = lookups, poolings and their ancestors; dense = what ``scores`` needs beyond the boundary."""
+def _cut(graph: _Graph, lookups: list[Lookup], heads: Sequence[str], where: str) -> _Cut:
+    """Host = lookups, poolings and their ancestors; dense = what the heads need beyond the boundary."""
     seeds = [lk.gather for lk in lookups] + [lk.pooling for lk in lookups if lk.pooling]
     host = graph.ancestors(seeds)
     dense: set[str] = set()
     boundary: set[str] = set()
     dense_inputs: set[str] = set()
-    stack, seen = [SCORES], set()
+    stack, seen = list(heads), set()
     while stack:
         tensor = stack.pop()
         if tensor in seen:
@@ -332,12 +335,13 @@ def _cut(graph: _Graph, lookups: list[Lookup], where: str) -> _Cut:
             continue
         dense.add(producer)
         stack.extend(graph.reads[producer])
-    if SCORES in boundary:
-        raise ValueError(f"{where}: {SCORES} is computed on the host side of the cut (it depends on the lookups "
-                         "with nothing dense after them); nothing to place on the cards")
+    on_host = [h for h in heads if h in boundary or h in graph.inputs]
+    if on_host:
+        raise ValueError(f"{where}: output {on_host[0]!r} is computed on the host side of the cut (it depends on "
+                         "the lookups with nothing dense after them, or is an input); nothing to place on the cards")
     if not boundary:
-        raise ValueError(f"{where}: no lookup output reaches {SCORES}; found lookups "
-                         f"{[lk.gather for lk in lookups]} but the scores do not depend on them")
+        raise ValueError(f"{where}: no lookup output reaches the outputs {list(heads)}; found lookups "
+                         f"{[lk.gather for lk in lookups]} but the outputs do not depend on them")
     order = {t: (graph.index[graph.producer[t]], list(graph.node(graph.producer[t]).output).index(t))
              for t in boundary}
     boundary_list = sorted(boundary, key=order.__getitem__)
@@ -406,19 +410,22 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _find_pooling(runner: _Runner, dense_dim: int, tables: int, pooling: int | None, where: str) -> int:
+def _find_pooling(runner: _Runner, heads: Sequence[str], dense_dim: int, tables: int, pooling: int | None,
+                  where: str) -> int:
     """The ids per (item, table) the model runs with: ``pooling`` if given, else the first of 1..MAX_POOLING."""
     rows = 5
     last = ""
     for p in ([pooling] if pooling else range(1, MAX_POOLING + 1)):
         try:
-            scores = runner.run(_request(rows, dense_dim, tables, p))[SCORES]
+            out = runner.run(_request(rows, dense_dim, tables, p))
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
             last = f"with pooling {p}: {_short(exc)}"
             continue
-        if scores.shape == (rows, 1):
+        bad = next((h for h in heads if out[h].ndim < 2 or out[h].shape[0] != rows), None)
+        if bad is None:
             return p
-        last = f"with pooling {p}: {SCORES} came out {list(scores.shape)} for a {rows}-item request, not [{rows}, 1]"
+        last = (f"with pooling {p}: output {bad!r} came out {list(out[bad].shape)} for a {rows}-item request, "
+                f"not [{rows}, ...] (every output must be item-major)")
     tried = f"pooling {pooling}" if pooling else f"every pooling factor 1..{MAX_POOLING}"
     raise ValueError(f"{where}: the model does not run on a canonical request with {tried} ids per "
                      f"(item, table); last error {last}" + ("" if pooling else "; pass --pooling"))
@@ -662,9 +669,9 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
         named, bags = rewrite_loop_bags(named)
     graph = _Graph(named)
     _check_signature(graph, where)
-    if SCORES not in [o.name for o in named.graph.output]:
-        raise ValueError(f"{where}: the model's outputs are {[o.name for o in named.graph.output]}; "
-                         f"a recommendation model must output {SCORES!r}")
+    heads = [o.name for o in named.graph.output]  # every output is served, named as the model names it
+    if not heads:
+        raise ValueError(f"{where}: the model has no outputs")
     dense_dim, tables = _static_dim(graph.inputs[DENSE], 1), _static_dim(graph.inputs[LENGTHS], 1)
     if dense_dim < 1 or tables < 1:
         raise ValueError(f"{where}: only the batch and id-count dimensions may be dynamic; {DENSE} has "
@@ -683,7 +690,7 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
     if bags:
         pooled = {b.gather: b.pooling for b in bags}
         lookups = [replace(lk, pooling=pooled.get(lk.gather, lk.pooling)) for lk in lookups]
-    cut = _cut(graph, lookups, where)
+    cut = _cut(graph, lookups, heads, where)
 
     dense_ops = {n for n in cut.dense_nodes if graph.node(n).op_type in ("MatMul", "Gemm")}
     extra = [*cut.boundary, *(lk.ids for lk in lookups),
@@ -692,7 +699,7 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
         runner = _Runner(named, graph, extra)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"{where}: onnxruntime cannot load the model: {_short(exc)}") from exc
-    pooling = _find_pooling(runner, dense_dim, tables, pooling, where)
+    pooling = _find_pooling(runner, heads, dense_dim, tables, pooling, where)
     lookups = _probe_tables(runner, lookups, dense_dim, tables, pooling)
     facts = _table_facts(lookups, tables, pooling, where)
     # NOTE: without a mapping only ids 0 and 1 are known to be safe (the probe ran them).
@@ -701,7 +708,7 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
     feeds = {rows: _request(rows, dense_dim, tables, pooling, _random_ids(rows, tables, pooling, limits, rows),
                             seed=rows) for rows in sorted({*_OBSERVE_ROWS, *_VERIFY_ROWS})}
     observed = {rows: runner.run(feed) for rows, feed in feeds.items()}
-    layouts = _observed_layouts(runner, observed, [*graph.inputs, *cut.boundary, SCORES], dense_dim, tables,
+    layouts = _observed_layouts(runner, observed, [*graph.inputs, *cut.boundary, *heads], dense_dim, tables,
                                 pooling, limits)
     infos: dict[str, onnx.ValueInfoProto] = {}
     shapes: dict[str, list[int]] = {}
@@ -711,18 +718,20 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
             log.warning("%s: boundary tensor %s has shape %s, not rows-first; the server cannot split it "
                         "across cards", where, tensor, shapes[tensor])
     model_inputs = {vi.name: vi for vi in graph.inputs.values()}
+    for head in heads:
+        shapes[head] = _value_info(head, {r: observed[r][head] for r in _OBSERVE_ROWS})[1]
     for name, vi in model_inputs.items():
         rank = len(vi.type.tensor_type.shape.dim)
         shapes[name] = [-1] + [_static_dim(vi, axis) for axis in range(1, rank)]
-    scores_info = next(o for o in named.graph.output if o.name == SCORES)
+    head_infos = {o.name: o for o in named.graph.output}
 
     host = _submodel(named, graph, cut.host_nodes, [model_inputs[n] for n in cut.host_inputs],
                      [infos[t] for t in cut.boundary], "host")
     dense = _submodel(named, graph, cut.dense_nodes,
                       [model_inputs[n] if n in model_inputs else infos[n] for n in cut.dense_inputs],
-                      [scores_info], "dense")
-    _verify(host, dense, cut, feeds, observed, where)
-    if bags and not _same_as_original(model, named, feeds, observed, dense_dim, tables, pooling, limits):
+                      [head_infos[h] for h in heads], "dense")
+    _verify(host, dense, cut, heads, feeds, observed, where)
+    if bags and not _same_as_original(model, named, heads, feeds, observed, dense_dim, tables, pooling, limits):
         log.warning("%s: the vectorised EmbeddingBag Loops (%s) answer differently from the model; keeping "
                     "the Loops", where, ", ".join(b.loop for b in bags))
         return cut_onnx(model, pooling=pooling, where=where, vectorise_bags=False)
@@ -737,23 +746,25 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
     dense_in = sum(observed[large][n].nbytes for n in cut.dense_inputs) / large
     lookup_bytes = _lookup_bytes(graph, lookups, tables, pooling)
     dtypes = {n: vi.type.tensor_type.elem_type for n, vi in {**model_inputs, **infos}.items()}
-    dtypes[SCORES] = scores_info.type.tensor_type.elem_type
+    dtypes.update({h: head_infos[h].type.tensor_type.elem_type for h in heads})
     return OnnxSplit(model=named, host=host, dense=dense, lookups=lookups, host_inputs=cut.host_inputs,
                      boundary=cut.boundary, dense_inputs=cut.dense_inputs, host_nodes=cut.host_nodes,
                      dense_nodes=cut.dense_nodes, pooling=pooling, tables=facts, flops_per_item=flops,
                      lookup_bytes_per_item=lookup_bytes, dense_input_bytes_per_item=dense_in,
-                     shapes=shapes, dtypes=dtypes, layouts=layouts)
+                     shapes=shapes, dtypes=dtypes, layouts=layouts, heads=heads)
 
 
-def _same_as_original(model: onnx.ModelProto, rewritten: onnx.ModelProto, feeds: dict[int, dict[str, np.ndarray]],
-                      observed: dict[int, dict[str, np.ndarray]], dense_dim: int, tables: int, pooling: int,
-                      limits: Sequence[int]) -> bool:
-    """The rewritten model's scores equal the original's on every example request, and on one with empty bags."""
+def _same(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> bool:
+    return all(g.shape == w.shape and bool(np.allclose(g, w, rtol=0, atol=_TOLERANCE)) for g, w in zip(got, want))
+
+
+def _same_as_original(model: onnx.ModelProto, rewritten: onnx.ModelProto, heads: Sequence[str],
+                      feeds: dict[int, dict[str, np.ndarray]], observed: dict[int, dict[str, np.ndarray]],
+                      dense_dim: int, tables: int, pooling: int, limits: Sequence[int]) -> bool:
+    """The rewritten model's outputs equal the original's on every example request, and on one with empty bags."""
     session = _session(model, quiet=True)
     for rows in _VERIFY_ROWS:
-        want = session.run([SCORES], feeds[rows])[0]
-        if want.shape != observed[rows][SCORES].shape or not np.allclose(
-                want, observed[rows][SCORES], rtol=0, atol=_TOLERANCE):
+        if not _same([observed[rows][h] for h in heads], session.run(list(heads), feeds[rows])):
             return False
     rng = np.random.default_rng(7)
     lengths = rng.integers(0, pooling + 2, size=(9, tables)).astype(np.int32)
@@ -762,14 +773,14 @@ def _same_as_original(model: onnx.ModelProto, rewritten: onnx.ModelProto, feeds:
     ids = np.concatenate([(rng.random(n) * h).astype(np.int64) for n, h in zip(lengths.reshape(-1), high.reshape(-1))])
     feed = {DENSE: rng.standard_normal((9, dense_dim), dtype=np.float32), LENGTHS: lengths, INDICES: ids}
     try:
-        want = session.run([SCORES], feed)[0]
+        want = session.run(list(heads), feed)
     except Exception:  # noqa: BLE001 - a fixed-pooling model takes no ragged request
         return True
     try:
-        got = _session(rewritten, quiet=True).run([SCORES], feed)[0]
+        got = _session(rewritten, quiet=True).run(list(heads), feed)
     except Exception:  # noqa: BLE001 - the rewrite fails where the model answers: they differ
         return False
-    return got.shape == want.shape and bool(np.allclose(got, want, rtol=0, atol=_TOLERANCE))
+    return _same(got, want)
 
 
 def _card_ops() -> frozenset[str]:
@@ -821,21 +832,22 @@ def _observed_layouts(runner: _Runner, observed: dict[int, dict[str, np.ndarray]
     return found
 
 
-def _verify(host: onnx.ModelProto, dense: onnx.ModelProto, cut: _Cut, feeds: dict[int, dict[str, np.ndarray]],
-            observed: dict[int, dict[str, np.ndarray]], where: str) -> None:
+def _verify(host: onnx.ModelProto, dense: onnx.ModelProto, cut: _Cut, heads: Sequence[str],
+            feeds: dict[int, dict[str, np.ndarray]], observed: dict[int, dict[str, np.ndarray]], where: str) -> None:
     """host∘dense must answer like the model to 1e-5 on every example request; RuntimeError if not."""
     host_session, dense_session = _session(host), _session(dense)
     for rows in _VERIFY_ROWS:
         feed = feeds[rows]
         boundary = dict(zip(cut.boundary, host_session.run(cut.boundary, {n: feed[n] for n in cut.host_inputs})))
         env = {**feed, **boundary}
-        scores = dense_session.run([SCORES], {n: env[n] for n in cut.dense_inputs})[0]
-        want = observed[rows][SCORES]
-        if scores.shape != want.shape or not np.allclose(scores, want, rtol=0, atol=_TOLERANCE):
-            gap = float(np.max(np.abs(scores - want))) if scores.shape == want.shape else float("nan")
-            raise RuntimeError(f"{where}: the cut model differs from the original on a {rows}-item request "
-                               f"(shapes {list(scores.shape)} vs {list(want.shape)}, largest gap {gap:.3g} > "
-                               f"{_TOLERANCE}); this is a partitioner bug, please report it")
+        got = dense_session.run(list(heads), {n: env[n] for n in cut.dense_inputs})
+        for head, scores in zip(heads, got):
+            want = observed[rows][head]
+            if scores.shape != want.shape or not np.allclose(scores, want, rtol=0, atol=_TOLERANCE):
+                gap = float(np.max(np.abs(scores - want))) if scores.shape == want.shape else float("nan")
+                raise RuntimeError(f"{where}: the cut model's {head!r} differs from the original on a {rows}-item "
+                                   f"request (shapes {list(scores.shape)} vs {list(want.shape)}, largest gap "
+                                   f"{gap:.3g} > {_TOLERANCE}); this is a partitioner bug, please report it")
 
 
 # --- the partitioned model --------------------------------------------------------------------
@@ -877,8 +889,10 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
     card_infos = [DeviceInfo(id=f"card{i}", spec=spec) for i, spec in enumerate(cards)]
     placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
     costs = {HOST_PARTITION: host_cost, DENSE_PARTITION: dense_cost}
+    out_bytes = sum(_itemsize(split.dtypes[h]) * math.prod(max(d, 1) for d in split.shapes[h][1:])
+                    for h in split.heads)
     io_bytes = {HOST_PARTITION: (0.0, 0.0),
-                DENSE_PARTITION: (split.dense_input_bytes_per_item, 4.0)}
+                DENSE_PARTITION: (split.dense_input_bytes_per_item, float(out_bytes))}
     estimates = estimate_plan([host_info, *card_infos], placements, costs, io_bytes, batch_rows)
 
     info = lambda names: [_tensor_info(split, n) for n in names]  # noqa: E731
@@ -887,16 +901,16 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
         name=HOST_PARTITION, kind="sparse", format="onnx", inputs=info(split.host_inputs),
         outputs=info(split.boundary), nodes=split.host_nodes, param_bytes=host_bytes, flops_per_item=0.0,
         bytes_per_item=host_cost.bytes_per_item)
-    ragged = [f"{n!r} is {split.layouts.get(n, Layout(None)).describe()}" for n in [*split.dense_inputs, SCORES]
+    ragged = [f"{n!r} is {split.layouts.get(n, Layout(None)).describe()}" for n in [*split.dense_inputs, *split.heads]
               if not split.layouts.get(n, Layout(None)).per_item]
     dense_part = PartitionInfo(
         name=DENSE_PARTITION, kind="dense", format="onnx", inputs=info(split.dense_inputs),
-        outputs=info([SCORES]), nodes=split.dense_nodes, param_bytes=dense_bytes,
+        outputs=info(split.heads), nodes=split.dense_nodes, param_bytes=dense_bytes,
         flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item,
         unsplittable=f"card input {'; '.join(ragged)}: only a whole batch is right for it" if ragged else "")
     if ragged:
         log.warning("%s: batches are never split across cards: %s", name, dense_part.unsplittable)
-    plan = PartitionPlan(model=name, strategy="replicate", inputs=inputs, outputs=info([SCORES]),
+    plan = PartitionPlan(model=name, strategy="replicate", inputs=inputs, outputs=info(split.heads),
                          partitions=[host_part, dense_part], devices=[host_info, *card_infos],
                          placements=placements, estimates=estimates, tables=dict(split.tables))
     artifacts = {
@@ -906,7 +920,7 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
             flops_per_item=0.0, bytes_per_item=host_cost.bytes_per_item, layouts=host_part.layouts()),
         DENSE_PARTITION: PartitionArtifact(
             name=DENSE_PARTITION, format="onnx", payload=split.dense.SerializeToString(),
-            input_names=tuple(split.dense_inputs), output_names=(SCORES,), param_bytes=dense_bytes,
+            input_names=tuple(split.dense_inputs), output_names=tuple(split.heads), param_bytes=dense_bytes,
             flops_per_item=dense_cost.flops_per_item, bytes_per_item=dense_cost.bytes_per_item,
             layouts=dense_part.layouts()),
     }
