@@ -233,6 +233,11 @@ def import_tables(source: str | Path, version_dir: str | Path, *, keys: Sequence
     ``source``: a ``torch.save``d state dict (every 2-D floating tensor whose key ends in
     ``weight`` is a table, in natural key order, unless ``keys`` names them in order) or a
     folder of ``.npy`` files (natural name order). Returns (key, shape) per table written.
+
+    Whole or not at all, like ``tables build``: the version is rewritten in a temporary sibling
+    (its other files hard-linked, plan.json copied) renamed into place, so a failure (a damaged
+    source file, named; a full disk) leaves the folder as it was; a crashed import's temporary is
+    removed by the next write into the same parent.
     """
     from sixfold.partitioner.tables.checksums import table_checksums
 
@@ -240,10 +245,13 @@ def import_tables(source: str | Path, version_dir: str | Path, *, keys: Sequence
     arrays: list[tuple[str, Any]] = []
     if source.is_dir():
         files = sorted(source.glob("*.npy"), key=lambda p: _natural(p.name))
-        arrays = [(p.name, np.load(p, mmap_mode="r")) for p in files if keys is None or p.name in keys]
+        arrays = [(p.name, _load_npy(p)) for p in files if keys is None or p.name in keys]
     else:
         import torch
-        state = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            state = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a damaged file: name it
+            raise ValueError(f"{source}: not a readable torch.save state dict: {type(exc).__name__}: {exc}") from None
         if hasattr(state, "state_dict"):
             state = state.state_dict()
         chosen = list(keys) if keys else sorted(
@@ -255,31 +263,58 @@ def import_tables(source: str | Path, version_dir: str | Path, *, keys: Sequence
         arrays = [(k, state[k]) for k in chosen]
     if not arrays:
         raise ValueError(f"{source}: no embedding tables found (2-D float '*weight' tensors or .npy files)")
+    flat = [k for k, a in arrays if len(a.shape) != 2]
+    if flat:
+        raise ValueError(f"{source}: {flat[0]} is not a 2-D table (shape {tuple(dict(arrays)[flat[0]].shape)})")
     dims = {a.shape[1] for _, a in arrays}
     if len(dims) != 1:
         raise ValueError(f"{source}: tables differ in dim {sorted(dims)}; the host stage needs one dim")
     dim = dims.pop()
-    tables = version_dir / "tables"
     advance, stop = _progress(sum(a.shape[0] for _, a in arrays) * dim * 4, f"importing {len(arrays)} tables",
                               progress)
 
-    def chunks(a: Any) -> Iterator[np.ndarray]:
+    def chunks(name: str, a: Any) -> Iterator[np.ndarray]:
         for lo in range(0, a.shape[0], _CHUNK_ROWS):
-            part = a[lo:lo + _CHUNK_ROWS]
-            part = part.float().numpy() if hasattr(part, "numpy") and not isinstance(part, np.ndarray) else part
-            yield np.ascontiguousarray(part, dtype=np.float32)
+            try:
+                part = a[lo:lo + _CHUNK_ROWS]
+                part = part.float().numpy() if hasattr(part, "numpy") and not isinstance(part, np.ndarray) else part
+                part = np.ascontiguousarray(part, dtype=np.float32)
+            except (OSError, ValueError, RuntimeError) as exc:  # e.g. a file cut short under its memory map
+                raise ValueError(f"{source}: table {name!r}, rows {lo}..: could not be read: {exc}") from None
+            yield part
 
-    try:
-        for t, (_, a) in enumerate(arrays):
-            write_table(tables / f"table_{t:03d}.npy", int(a.shape[0]), dim, chunks(a), precision=precision,
-                        advance=advance)
-    finally:
-        stop()
-    rows = [int(a.shape[0]) for _, a in arrays]
-    if (version_dir / "plan.json").exists():
-        from sixfold.partitioner.partitioned import HOST_PARTITION
-        _finish_plan(version_dir, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
+    from sixfold.partitioner.tables.staging import carry_over, staged
+
+    # NOTE: the version appears whole or not at all: its other files are linked into a temporary folder,
+    # the tables written there, and one rename publishes it; a failure removes the temporary
+    with staged(version_dir) as folder:
+        carry_over(version_dir, folder, skip=_replaced_by_import, copy=lambda rel: rel == Path("plan.json"))
+        tables = folder / "tables"
+        tables.mkdir(exist_ok=True)
+        try:
+            for t, (name, a) in enumerate(arrays):
+                write_table(tables / f"table_{t:03d}.npy", int(a.shape[0]), dim, chunks(name, a), precision=precision,
+                            advance=advance)
+        finally:
+            stop()
+        rows = [int(a.shape[0]) for _, a in arrays]
+        if (folder / "plan.json").exists():
+            from sixfold.partitioner.partitioned import HOST_PARTITION
+            _finish_plan(folder, rows, dim, precision, table_checksums(tables), HOST_PARTITION)
     return [(k, (int(a.shape[0]), dim)) for k, a in arrays]
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """``path`` mapped (no copy), or a ValueError naming it (a damaged or cut-short file)."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable .npy table: {exc}") from None
+
+
+def _replaced_by_import(relative: Path) -> bool:
+    """The files of a version an import writes anew: every table (and its quantized copies) under tables/."""
+    return relative.parts[:1] == ("tables",) and relative.name.startswith("table_") and relative.suffix == ".npy"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from sixfold.backends.host.derived_cache import remove_stale_temporaries
 
-__all__ = ["staged", "publish"]
+__all__ = ["staged", "publish", "carry_over"]
 
 
 @contextmanager
@@ -58,3 +58,35 @@ def publish(tmp: Path, out: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
             return
     os.rename(tmp, out)
+
+
+def carry_over(old: Path, new: Path, *, skip: Callable[[Path], bool], copy: Callable[[Path], bool]) -> int:
+    """Put ``old``'s files into ``new`` (a staged folder) as hard links, so a version is rewritten in part without
+    copying what stays; ``skip(relative)``: left out (it is written anew); ``copy(relative)``: a real copy (a file
+    the writer changes in place, which a link would change in ``old`` too). Returns the files carried over."""
+    if not old.is_dir():
+        return 0
+    carried = 0
+    for entry in sorted(old.rglob("*")):
+        relative = entry.relative_to(old)
+        target = new / relative
+        if skip(relative):
+            continue
+        if entry.is_symlink():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if copy(relative):
+                shutil.copy2(entry, target)
+            else:
+                try:
+                    os.link(entry, target)
+                except OSError:  # another file system, or links not allowed: a copy
+                    shutil.copy2(entry, target)
+        carried += 1
+    return carried
+

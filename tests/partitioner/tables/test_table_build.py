@@ -110,3 +110,73 @@ def test_a_build_into_a_full_disk_leaves_nothing_and_names_the_file(tmp_path):
         verify_tables(path.parent / "tables", PartitionPlan.load(path).tables["checksums"])
     finally:
         subprocess.run(["umount", "-l", str(disk)], timeout=10)
+
+
+def _version_with_tables(folder, source, rows, dim=8, seed=0):
+    """A version folder of tables imported from .npy files written to ``source``."""
+    source.mkdir()
+    rng = np.random.default_rng(seed)
+    for t, r in enumerate(rows):
+        np.save(source / f"t{t}.npy", rng.random((r, dim), dtype=np.float32))
+    table_build.import_tables(source, folder, progress=False)
+    return source
+
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_import_that_fails_on_a_damaged_file_names_it_and_leaves_the_version_as_it_was(tmp_path):
+    """The third of three source files is cut short: the error names it; the version's tables and plan.json
+    are byte for byte what they were, and no temporary is left beside the folder."""
+    version = tmp_path / "repo" / "mine" / "1"
+    table_build.build_streamed("rm1", version, max_rows=300, cards=2, progress=False)
+    before = _snapshot(version)
+    source = tmp_path / "new"
+    source.mkdir()
+    rng = np.random.default_rng(1)
+    for name in ("a1.npy", "a2.npy", "a3.npy"):
+        np.save(source / name, rng.random((300, 32), dtype=np.float32))
+    damaged = source / "a3.npy"
+    damaged.write_bytes(damaged.read_bytes()[:20_000])
+    with pytest.raises(ValueError, match="a3.npy"):
+        table_build.import_tables(source, version, progress=False)
+    assert _snapshot(version) == before
+    assert sorted(p.name for p in version.parent.iterdir()) == ["1"]
+
+
+def test_an_import_into_a_full_disk_leaves_nothing_half_built_and_cleans_a_crash_leftover(tmp_path):
+    """A real 2 MiB file system: the import into an existing version fails with ENOSPC naming the table and
+    the bytes, mid-way (after its first tables); the version is as it was, the temporary and a crashed
+    import's leftover are gone; a smaller import then succeeds and replaces the tables whole."""
+    import errno
+    import subprocess
+
+    disk = tmp_path / "disk"
+    _mount_small(disk)
+    try:
+        version = disk / "repo" / "mine" / "1"
+        _version_with_tables(version, tmp_path / "old", rows=(100, 100))
+        before = _snapshot(version)
+        leftover = version.parent / ".1.tmp999999"  # a crashed import's temporary (no such process)
+        leftover.mkdir()
+        (leftover / "tables").mkdir()
+        source = tmp_path / "big"
+        source.mkdir()
+        for t in range(4):  # 4 x 600 KB: the third does not fit
+            np.save(source / f"t{t}.npy", np.full((5000, 32), t, np.float32))
+        with pytest.raises(OSError) as full:
+            table_build.import_tables(source, version, progress=False)
+        assert full.value.errno == errno.ENOSPC
+        message = str(full.value)
+        assert "mine/1: not written" in message and "table_00" in message and "bytes needed" in message, message
+        assert _snapshot(version) == before
+        assert sorted(p.name for p in version.parent.iterdir()) == ["1"]
+        small = tmp_path / "small"
+        small.mkdir()
+        np.save(small / "t0.npy", np.full((40, 8), 7, np.float32))
+        assert table_build.import_tables(small, version, progress=False) == [("t0.npy", (40, 8))]
+        assert sorted(p.name for p in (version / "tables").iterdir()) == ["table_000.npy"]
+        np.testing.assert_array_equal(np.load(version / "tables" / "table_000.npy"), np.full((40, 8), 7, np.float32))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], timeout=10)
