@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ids-dtype", choices=IDS_DTYPES, default="int64",
                    help="sparse_indices on the wire: int64 (the signature's, default) or int32, half the bytes; "
                         "sixfold takes int32 ids for table-batched models (the zoo's), another server may not")
+    p.add_argument("--deadline-ms", type=float, default=None, metavar="MS",
+                   help="send every request with this gRPC deadline (default: none): a client's own SLA, which "
+                        "sixfold-serve admits each request against when no --p99-ms is set (docs/admission.md)")
     p.add_argument("--batch-dim", action="store_true",
                    help="send every input with a leading batch dimension of 1 and take scores [1, items, 1]: a "
                         "Triton model with max_batch_size > 0 and ragged inputs (its dynamic batcher then batches "
@@ -207,7 +210,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
             table_rows=parse_int_list(args.table_rows, "--table-rows") if args.table_rows else None,
             pooling=parse_int_list(args.pooling, "--pooling") if args.pooling else None,
             dense_dim=args.dense_dim, zipf=_zipf(args), client=args.client, channels=args.channels,
-            ids_dtype=args.ids_dtype, batch_dim=args.batch_dim, **_connection(args))
+            ids_dtype=args.ids_dtype, batch_dim=args.batch_dim, deadline_s=_deadline(args), **_connection(args))
     rate_free = args.concurrency is not None or args.replay or args.arrival.strip().lower().startswith("trace:")
     if args.qps is None and not (rate_free or args.find_max_qps or args.export_perf_analyzer):
         raise ValueError("--qps is required (or give --concurrency, --find-max-qps, --replay, "
@@ -233,7 +236,12 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         dense_dim=args.dense_dim, zipf=_zipf(args),
         id_drift=args.id_drift, concurrency=args.concurrency, record_path=args.record, replay_path=args.replay,
         client=args.client, lag_threshold_ms=args.lag_threshold_ms, channels=args.channels,
-        ids_dtype=args.ids_dtype, batch_dim=args.batch_dim, **_connection(args))
+        ids_dtype=args.ids_dtype, batch_dim=args.batch_dim, deadline_s=_deadline(args), **_connection(args))
+
+
+def _deadline(args: argparse.Namespace) -> float | None:
+    """--deadline-ms in seconds (None: not given)."""
+    return None if args.deadline_ms is None else args.deadline_ms / 1e3
 
 
 def _connection(args: argparse.Namespace) -> dict[str, Any]:

@@ -119,6 +119,10 @@ class LoadConfig:
     scores as ``[1, items, 1]``: the signature of a Triton model with ``max_batch_size > 0`` whose inputs
     allow ragged batches, the only way Triton's dynamic batcher batches recommendation requests (whole
     requests; their item counts and id counts differ)."""
+    deadline_s: float | None = None
+    """Send every request with this gRPC deadline (None: none), as clients that hold an SLA of their own do:
+    a server may refuse at once what it cannot answer in time (sixfold does, docs/admission.md); one that
+    runs out counts as the error ``deadline_exceeded``."""
 
     def __post_init__(self) -> None:
         if not self.url or "://" in self.url or ":" not in self.url:
@@ -151,6 +155,11 @@ class LoadConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.deadline_s is not None:
+            if not (math.isfinite(self.deadline_s) and self.deadline_s > 0):
+                raise ValueError(f"deadline_s (--deadline-ms) must be a finite number > 0, got {self.deadline_s}")
+            if self.protocol != "grpc":
+                raise ValueError("a deadline per request (--deadline-ms) is sent as a gRPC deadline: use protocol grpc")
         if self.pool < 1:
             raise ValueError(f"pool must be >= 1, got {self.pool}")
         if self.max_requests is not None and self.max_requests < 1:

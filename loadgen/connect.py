@@ -34,15 +34,17 @@ def make_client(url: str, *, protocol: str = "grpc", ssl: bool = False,
 
 def make_transport(kind: str, url: str, client: Any, model: str, version: str = "", channels: int = 1,
                    ids_dtype: str = "int64", *, protocol: str = "grpc", ssl: bool = False,
-                   root_certificates: str | None = None) -> Transport:
+                   root_certificates: str | None = None, deadline_s: float | None = None) -> Transport:
     """The transport named by ``LoadConfig.client`` over ``protocol`` (``channels``, ``ids_dtype``, ``ssl``,
-    ``root_certificates``: see ``LoadConfig``); ``client`` is what ``make_client`` made."""
+    ``root_certificates``, ``deadline_s``: see ``LoadConfig``); ``client`` is what ``make_client`` made."""
     if ids_dtype not in IDS_DTYPES:
         raise ValueError(f"bad ids_dtype {ids_dtype!r}: expected one of {', '.join(IDS_DTYPES)}")
     if kind not in CLIENTS:
         raise ValueError(f"bad client {kind!r}: expected one of {', '.join(CLIENTS)}")
     tls = {"ssl": ssl, "root_certificates": root_certificates}
     if protocol == "http":
+        if deadline_s is not None:
+            raise ValueError("a deadline per request (--deadline-ms) is sent as a gRPC deadline: use protocol grpc")
         if kind == "raw":
             return RawHttpTransport(url, model, version, ids_dtype, **tls)
         if kind == "tritonclient":
@@ -51,7 +53,7 @@ def make_transport(kind: str, url: str, client: Any, model: str, version: str = 
     if protocol != "grpc":
         raise ValueError(f"bad protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
     if kind == "raw":
-        return RawGrpcTransport(url, model, version, channels, ids_dtype, **tls)
+        return RawGrpcTransport(url, model, version, channels, ids_dtype, **tls, deadline_s=deadline_s)
     if kind == "tritonclient":
-        return TritonClientTransport(client, model, version, ids_dtype)
-    return SharedMemoryTransport(url, model, version, channels, ids_dtype, **tls)
+        return TritonClientTransport(client, model, version, ids_dtype, deadline_s)
+    return SharedMemoryTransport(url, model, version, channels, ids_dtype, **tls, deadline_s=deadline_s)

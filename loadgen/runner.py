@@ -204,7 +204,7 @@ class Target:
                         self.shape.sources[key] = "recording"
             self.transport = make_transport(config.client, config.url, self.client, config.model,
                                             config.model_version, config.channels, config.ids_dtype,
-                                            **connection_options(config))
+                                            **connection_options(config), deadline_s=config.deadline_s)
             if config.batch_dim:
                 self.transport = BatchDimTransport(self.transport)
             await self.transport.connect(max(1.0, config.wait_ready_s))

@@ -148,15 +148,16 @@ class RawGrpcTransport:
     """
 
     def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64", *,
-                 ssl: bool = False, root_certificates: str | None = None) -> None:
+                 ssl: bool = False, root_certificates: str | None = None, deadline_s: float | None = None) -> None:
         self.url, self.model, self.version, self.ids_dtype, self.ssl = url, model, version, ids_dtype, ssl
+        self.deadline_s = deadline_s
         options = CHANNEL_OPTIONS if channels == 1 else [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
         self._channels = [_grpc_channel(url, options, ssl, root_certificates) for _ in range(channels)]
         calls = [channel.unary_unary(_MODEL_INFER, request_serializer=None,  # payloads are already bytes
                                      response_deserializer=service_pb2.ModelInferResponse.FromString)
                  for channel in self._channels]
         turns = itertools.cycle(calls)
-        self._call = calls[0] if channels == 1 else lambda payload: next(turns)(payload)
+        self._call = calls[0] if channels == 1 else lambda payload, timeout=None: next(turns)(payload, timeout=timeout)
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> bytes:
         message = service_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
@@ -176,7 +177,7 @@ class RawGrpcTransport:
 
     async def infer(self, payload: bytes, items: int) -> bytes:
         try:
-            response = await self._call(payload)
+            response = await self._call(payload, timeout=self.deadline_s)
         except grpc.aio.AioRpcError as exc:
             raise RequestFailed(exc.code().name.lower(), exc.details() or "") from None
         if len(response.outputs) != 1:
@@ -198,8 +199,9 @@ class SharedMemoryTransport(RawGrpcTransport):
     """
 
     def __init__(self, url: str, model: str, version: str = "", channels: int = 1, ids_dtype: str = "int64", *,
-                 ssl: bool = False, root_certificates: str | None = None) -> None:
-        super().__init__(url, model, version, channels, ids_dtype, ssl=ssl, root_certificates=root_certificates)
+                 ssl: bool = False, root_certificates: str | None = None, deadline_s: float | None = None) -> None:
+        super().__init__(url, model, version, channels, ids_dtype, ssl=ssl, root_certificates=root_certificates,
+                         deadline_s=deadline_s)
         self._control = _grpc_channel(url, CHANNEL_OPTIONS, ssl, root_certificates, aio=False)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._control)
         self._segments: list[shared_memory.SharedMemory] = []
@@ -248,8 +250,9 @@ class TritonClientTransport:
     """Every request through the stock ``InferenceServerClient.infer`` (see module docstring)."""
 
     def __init__(self, client: tritonaio.InferenceServerClient, model: str, version: str = "",
-                 ids_dtype: str = "int64") -> None:
+                 ids_dtype: str = "int64", deadline_s: float | None = None) -> None:
         self.client, self.model, self.version, self.ids_dtype = client, model, version, ids_dtype
+        self.deadline_s = deadline_s
         self._outputs = [tritonaio.InferRequestedOutput(SCORES)]
 
     def prepare(self, request: Mapping[str, np.ndarray]) -> list[tritonaio.InferInput]:
@@ -266,7 +269,7 @@ class TritonClientTransport:
     async def infer(self, payload: list[tritonaio.InferInput], items: int) -> bytes:
         try:
             result = await self.client.infer(self.model, payload, model_version=self.version,
-                                             outputs=self._outputs)
+                                             outputs=self._outputs, client_timeout=self.deadline_s)
         except InferenceServerException as exc:
             raise RequestFailed((exc.status() or "error").rsplit(".", 1)[-1].lower(), exc.message() or "") from None
         response = result.get_response()

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from sixfold import models
 from sixfold.backends.api import BackendError
+from sixfold.backends.cpu_layout import AUTO, CPU, LANE_BACKEND
 from sixfold.partitioner.cli import (DefaultsHelpFormatter, OneLineParser, UsageError, check_input_dir,
                                      check_input_file, check_spec, error_text, read_token_file)
 
@@ -33,7 +34,6 @@ from sixfold.server.observability.logs import LEVELS, configure_logging, emit, p
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.workers.process import READY_PREFIX, ready_address
 from sixfold.server.execution.runtime import CARD_SCHEDULING, DEFAULT_CARD_SCHEDULING, DEFAULT_MIN_SPLIT_ROWS
-from sixfold.server.workers.siblings import WorkerSet
 from sixfold.server.workers.supervisor import follow_supervisor, worker_ports_line
 
 __all__ = ["main"]
@@ -185,9 +185,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="on SIGTERM, report not ready and keep serving this long before refusing new requests, "
                           "so load balancers notice first (default 5; 0: refuse at once; a second SIGTERM ends it)")
     net.add_argument("--workers", type=int, default=1,
-                     help="server processes sharing the ports and the cards, each with its own event loop "
-                          "(default 1; see docs/workers.md)")
-    net.add_argument("--as-worker", default=None, help=argparse.SUPPRESS)  # FOLDER:INDEX:COUNT, set by --workers
+                     help="front-end processes sharing the ports, each with its own event loop, over one engine "
+                          "that holds the models (default 1: one process; see docs/workers.md)")
+    net.add_argument("--as-engine", default=None, help=argparse.SUPPRESS)  # RUN FOLDER, set by --workers
     limits = p.add_argument_group("limits (what clients may hold before admission; docs/serving.md, Limits)")
     limits.add_argument("--max-connections", type=_count, default=1000,
                         help="open connections per port (gRPC, REST, metrics); one more is closed at once "
@@ -230,7 +230,11 @@ def _parser() -> argparse.ArgumentParser:
     cards.add_argument("--cards", type=int, default=None,
                        help="accelerator cards (default 6; with --model-repository, each version is served on its "
                             "plan's cards, and a count or --card-spec that differs from them is refused)")
-    cards.add_argument("--backend", default="simcard", help="card backend (see --list-backends; default simcard)")
+    cards.add_argument("--backend", default="auto",
+                       help="card backend (see --list-backends), or a layout: auto (the default) picks a plug-in "
+                            "accelerator that reports a device, else emulated simcards when --cards or --card-spec is "
+                            "given, else cpu: the dense part on one lane per usable host core (docs/serving.md, "
+                            "'CPU host')")
     cards.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                        help="option for the card backend, value read as JSON when it parses (repeatable)")
     cards.add_argument("--backend-options-file", metavar="JSON",
@@ -238,10 +242,10 @@ def _parser() -> argparse.ArgumentParser:
     cards.add_argument("--card-spec", default=None,
                        help="device spec name or JSON file for the cards (default: the first device the backend "
                             "reports, else m2-card; see --list-specs)")
-    cards.add_argument("--host-spec", default="host-cpu",
+    cards.add_argument("--host-spec", default=None,
                        help="device spec name or JSON file for the host (e.g. one written by 'sixfold-partition "
                             "calibrate'; auto: this host, calibrated once and cached, as make serve and make demo "
-                            "use); prices the host stage in the printed plan (default host-cpu)")
+                            "use); prices the host stage in the printed plan (default host-cpu; auto on the cpu layout)")
     cards.add_argument("--dense-precision", default="fp32", choices=["fp32", "fp16", "int8"],
                        help="precision of the dense partition on the cards (built-in models; default fp32; "
                             "int8: dynamic quantization, ONNX Runtime cards)")
@@ -313,7 +317,9 @@ def _parser() -> argparse.ArgumentParser:
     batching.add_argument("--p99-ms", type=float, default=None, metavar="MS",
                           help=f"the p99 latency this deployment promises (default {SLA_P99_MS:g}: MLPerf DLRM's); "
                                "the work bound defaults to half of it and the queue timeout to at least 4x it, so a "
-                               "loose SLA queues deeper instead of refusing (docs/admission.md)")
+                               "loose SLA queues deeper instead of refusing. Unset (and no --max-queue-work-ms), a "
+                               "request with a client deadline is admitted against half of that deadline: the SLA "
+                               "its client states (docs/admission.md)")
     batching.add_argument("--max-queue-work-ms", type=float, default=None,
                           help="refuse a request (RESOURCE_EXHAUSTED) when the queued work ahead of it (its own not "
                                "counted) would take longer than this to serve (default: half of --p99-ms, "
@@ -363,13 +369,6 @@ def _limits(args: argparse.Namespace) -> TransportLimits:
                            max_streams_per_connection=args.grpc_max_streams)
 
 
-def _worker_set(text: str | None) -> WorkerSet | None:
-    if text is None:
-        return None
-    folder, index, count = text.rsplit(":", 2)
-    return WorkerSet(Path(folder), int(index), int(count))
-
-
 def _table_memory(text: str) -> int | float:
     from sixfold.backends.host.table_store import parse_table_memory
     try:
@@ -379,6 +378,30 @@ def _table_memory(text: str) -> int | float:
     if value is None:
         raise argparse.ArgumentTypeError("give a size such as 4GiB or a share such as 10%")
     return value
+
+
+def _resolve_layout(args: argparse.Namespace, out: _Output) -> Any:
+    """--backend auto/cpu as a layout (``sixfold.backends.cpu_layout``), said in the start-up output; None for a named
+    backend. A repository's versions keep their plans' cards: auto serves them on simcard, as before."""
+    from sixfold.backends.cpu_layout import resolve_layout
+
+    if args.backend not in (AUTO, CPU):
+        layout = None
+    elif not args.model:
+        layout = None
+        args.backend = "simcard" if args.backend == AUTO else LANE_BACKEND
+    else:
+        layout = resolve_layout(args.backend, cards=args.cards, card_spec=args.card_spec)
+        args.backend = layout.backend
+        if layout.on_host:
+            args.cards, args.card_spec = layout.cards, layout.card_spec
+            if args.host_spec is None:
+                args.host_spec = "auto"  # this host, calibrated once and cached: the lanes' host
+        out.say(f"sixfold-serve: layout {layout.name}: {layout.reason}", "layout", layout=layout.name,
+                backend=layout.backend, lanes=layout.cards, reason=layout.reason)
+    if args.host_spec is None:
+        args.host_spec = "host-cpu"
+    return layout
 
 
 def _default_card_spec(backend: str) -> str:
@@ -447,10 +470,13 @@ def _token_env(args: argparse.Namespace) -> dict[str, str | None]:
 
 def apply_sla(args: argparse.Namespace) -> None:
     """The admission knobs not given, from the SLA (``--p99-ms``): the work bound is half of it (the other half is
-    the batching window and a large query's own service; 30 ms at MLPerf's 60), the queue timeout at least 4x it."""
+    the batching window and a large query's own service; 30 ms at MLPerf's 60), the queue timeout at least 4x it.
+    With no SLA stated (neither flag), clients state their own: a request's deadline, halved, bounds its work."""
     if args.p99_ms is not None and not (math.isfinite(args.p99_ms) and args.p99_ms > 0):
         raise UsageError(f"--p99-ms {args.p99_ms:g}: give the p99 latency the deployment promises, in ms (> 0)")
     p99 = SLA_P99_MS if args.p99_ms is None else args.p99_ms
+    args.deadline_work_share = (DEFAULT_QUEUE_WORK_MS / SLA_P99_MS
+                                if args.p99_ms is None and args.max_queue_work_ms is None else 0.0)
     if args.max_queue_work_ms is None:
         args.max_queue_work_ms = DEFAULT_QUEUE_WORK_MS * p99 / SLA_P99_MS
     if args.default_timeout_us is None:
@@ -484,7 +510,10 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
     from sixfold.backends.registry import discover
     infos = discover()
     info = infos.get(args.backend)
-    if info is None or not info.usable:
+    if args.backend == CPU and args.card_spec is not None:
+        raise UsageError(f"--backend cpu prices its lanes as this host's cores; --card-spec {args.card_spec} names "
+                         "emulated cards: give --backend simcard for those")
+    if args.backend not in (AUTO, CPU) and (info is None or not info.usable):
         why = "no such backend" if info is None else f"it is {info.status} here ({info.reason})"
         usable = ", ".join(name for name, i in infos.items() if i.usable) or "none"
         raise UsageError(f"--backend {args.backend}: {why}; usable backends: {usable} (see --list-backends)")
@@ -511,7 +540,7 @@ def _check_before_loading(args: argparse.Namespace) -> dict[str, Any]:
         _check_tls(args.tls_cert, args.tls_key)
     if args.warm_from:
         check_input_file(args.warm_from, "--warm-from", "a recording written by sixfold-loadgen --record")
-    if args.as_worker is None:  # a worker shares the ports its supervisor checked (SO_REUSEPORT)
+    if args.as_engine is None:  # the engine binds loopback ports of its own; its supervisor checked the server's
         check_ports(args.host, {"gRPC (--grpc-port)": args.grpc_port,
                                 "REST (--http-port)": None if args.http_port == -1 else args.http_port,
                                 "metrics (--metrics-port)": None if args.metrics_port == -1 else args.metrics_port},
@@ -619,20 +648,19 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
     # what a repository version's plan must agree with (None: not given; sixfold.server.loading.card_flags)
     given_cards = args.cards
     given_spec = load_spec(args.card_spec).name if args.card_spec is not None else None
+    layout = _resolve_layout(args, out)
     if args.cards is None:
         args.cards = 6
     if args.card_spec is None:
         args.card_spec = _default_card_spec(args.backend)
-    workers = _worker_set(args.as_worker)
-    if workers is not None and args.backend == "simcard":  # the workers' copies of a card are one card
-        backend_options.setdefault("shared_timelines", str(workers.timelines))
-    quiet = workers is not None and workers.index > 0  # worker 0 explains the plan for all
+    quiet = False
     metrics = ServerMetrics()
     batching = BatchingConfig(max_batch_rows=args.max_batch_rows,
                               max_queue_delay_microseconds=args.max_queue_delay_us,
                               max_queue_size=args.max_queue_size,
                               default_timeout_microseconds=args.default_timeout_us,
                               max_queue_work_ms=args.max_queue_work_ms, max_queue_bytes=args.max_queue_bytes_mb << 20,
+                              deadline_work_share=args.deadline_work_share,
                               preferred_batch_rows=tuple(args.preferred_batch_rows),
                               no_wait_rows=args.no_wait_rows, all_in_dispatch=not args.no_all_in_dispatch,
                               max_inflight_batches=args.max_inflight_batches,
@@ -644,7 +672,8 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
                           max_message_bytes=args.max_message_mb << 20, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           control_token=args.control_token or None, metrics_token=args.metrics_token or None,
                           drain_seconds=args.drain_seconds, warmup=not args.no_warmup,
-                          shared_memory=not args.no_shared_memory, workers=workers, limits=_limits(args))
+                          shared_memory=not args.no_shared_memory, engine_folder=args.as_engine,
+                          limits=_limits(args))
     served_models = []
     if args.model:
         with out.status(f"partitioning {args.model} onto {args.cards} {args.backend} cards + host...", "loading",
@@ -660,9 +689,12 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
                 card_timeout_floor_s=args.card_timeout_floor_ms / 1e3, allow_nonfinite=args.allow_nonfinite,
                 table_memory=args.table_memory, cache_policy=args.table_cache_policy,
                 host_chunk_rows=args.host_chunk_rows, warm_from=args.warm_from,
-                card_scheduling=args.card_scheduling, cache_dir=args.cache_dir)
+                card_scheduling=args.card_scheduling, cache_dir=args.cache_dir,
+                lanes_on_host=layout is not None and layout.on_host)
         if not quiet:
             out.plan(served)
+            if getattr(served, "split_decision", None) is not None:
+                out.say(f"  {served.split_decision.describe()}", "split", model=served.name)
         served_models.append(served)
     core = InferenceCore(served_models)
     if args.model_repository:
@@ -707,7 +739,8 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
         watcher.start()
     scheme = "https" if config.tls_cert else "http"
     metrics_at = f"{scheme}://{args.host}:{server.metrics_port}/metrics" if server.metrics_port is not None else "off"
-    serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {args.backend} cards)"
+    lanes = "cpu lanes" if layout is not None and layout.on_host else f"{args.backend} cards"
+    serving = ", ".join(f"{m.name} (version {m.version}, {len(m.runtime.cards)} {lanes})"
                         for m in core.all_versions())
     rest_at = f"{scheme}://{args.host}:{server.http_port}/v2" if server.http_port is not None else "off"
     out.say(f"sixfold-serve: serving {serving or 'no model yet'} on {args.host}:{port} (gRPC); "
@@ -724,7 +757,7 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # before READY: a caller may signal as soon as it reads it
         loop.add_signal_handler(sig, on_signal)
-    if workers is not None:  # the supervisor starts the other workers on the ports this one bound
+    if args.as_engine is not None:  # the supervisor gives its loopback ports to the front ends
         out.protocol_line(worker_ports_line(port, server.http_port, server.metrics_port))
     # NOTE: with --log-format json, READY is a JSON object whose message is the same text
     # (sixfold.server.workers.process.ready_address reads both)
@@ -749,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     parser.json_errors = _wants_json(argv)
     args = parser.parse_args(argv)
-    if args.as_worker is not None:
+    if args.as_engine is not None:
         follow_supervisor()
     keep_freed_memory()  # first: it binds only threads that have not allocated yet (sixfold.server.memory.allocator)
     capture = configure_logging(args.log_level, args.log_format)
@@ -775,10 +808,6 @@ def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
     if args.workers < 1:
         out.error(f"--workers must be >= 1, got {args.workers}")
         return 2
-    if args.workers > 1 and args.watch_deltas:
-        out.error("--watch-deltas needs --workers 1 (each worker holds its own tables, and one delta log is kept "
-                  "per version)")
-        return 2
     try:
         for warning in _resolve_tokens(args):
             out.warning(warning)
@@ -786,12 +815,16 @@ def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
     except (UsageError, OSError) as exc:
         out.error(error_text(exc))
         return 2
-    if args.workers > 1 and args.as_worker is None:
+    if args.workers > 1 and args.as_engine is None:
+        from dataclasses import asdict
+
         from sixfold.server.workers.supervisor import serve_workers
+        front_end = {"max_message_bytes": args.max_message_mb << 20, "drain_seconds": args.drain_seconds,
+                     "arena_bytes": (args.max_queue_bytes_mb << 20) or (4 << 30), "limits": asdict(_limits(args))}
         return serve_workers(_without_tokens(argv), args.workers, env=_token_env(args), host=args.host,
                              grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_token=args.metrics_token or None,
-                             print_line=out.supervisor_line)
+                             front_end=front_end, print_line=out.supervisor_line)
     try:
         import uvloop
         run = uvloop.run

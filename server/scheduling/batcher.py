@@ -186,6 +186,14 @@ class BatchingConfig:
     max_queue_bytes: int = DEFAULT_QUEUE_BYTES
     """Bytes of inputs queued requests may hold, all levels; one more is refused with
     RESOURCE_EXHAUSTED (0: unbounded). A request alone in the queue is always admitted."""
+    deadline_work_share: float = 0.0
+    """The SLA a client states for itself: a request that carries a deadline (gRPC deadline or ``timeout``
+    parameter) is admitted against this share of it instead of ``max_queue_work_ms`` (0: off, every request
+    against ``max_queue_work_ms``). A 250 ms deadline then queues up to 125 ms of work at 0.5, where a
+    30 ms bound refused work the client would have waited for; a 20 ms one is refused early instead of
+    timing out late. ``sixfold-serve`` sets 0.5 (the share its default bound takes of a 60 ms SLA) when no
+    SLA is given (``--p99-ms``, ``--max-queue-work-ms``); with one given, it stays 0. Needs the work bound
+    on (``max_queue_work_ms`` > 0), which prices requests."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
@@ -200,6 +208,8 @@ class BatchingConfig:
             raise ValueError(f"max_queue_bytes must be >= 0 (0: unbounded), got {self.max_queue_bytes}")
         if self.no_wait_rows < 0:
             raise ValueError(f"no_wait_rows must be >= 0 (0: off), got {self.no_wait_rows}")
+        if not (0 <= self.deadline_work_share <= 1):
+            raise ValueError(f"deadline_work_share must be in 0..1 (0: off), got {self.deadline_work_share}")
         _ = self.default_policy  # building it checks the default policy's fields
         preferred = tuple(sorted(set(int(p) for p in self.preferred_batch_rows)))
         bad = [p for p in preferred if not 1 <= p <= self.max_batch_rows]
@@ -375,6 +385,7 @@ class DynamicBatcher:
         self._unmeasured = True
         self._work_limit = config.max_queue_work_ms / 1e3
         """max_queue_work_ms in estimated seconds: the bound over the measured scale."""
+        self._deadline_share = config.deadline_work_share
         self._bytes = 0
         self._burst = 0
         """Most bytes of requests queued and running at one time (counted when a large one, >= 1 MiB,
@@ -485,14 +496,16 @@ class DynamicBatcher:
             # leaves a large query's service out of the SLA, and counting it again refused every
             # large query whenever anything was queued (5% of MLPerf-sized queries at a third of
             # the rate the SLA allows, bench/latency_breakdown.py).
-            if ahead > self._work_limit and self._running < self._max_inflight:
+            by_deadline = timeout_s is not None and self._deadline_share > 0
+            work_limit = self._deadline_share * timeout_s / self._scale if by_deadline else self._work_limit
+            if ahead > work_limit and self._running < self._max_inflight:
                 # NOTE: queued work that free batch slots take at once is no wait, as running work is
                 # none: counting it refused a 300-item query behind a 700-item one that arrived in the
                 # same turn of the loop, with every card idle (make demo, 3 runs in 8 at 5 q/s).
                 # Walked only here, on a refusal with a slot free: under overload no slot is.
                 ahead = self._work_waiting_for_a_slot(level_no)
-            if ahead > self._work_limit:
-                self._refuse_work(level_no, ahead, cost)
+            if ahead > work_limit:
+                self._refuse_work(level_no, ahead, cost, timeout_s if by_deadline else None)
         if self._loop_task is None:
             self._ensure_started()
         loop = asyncio.get_running_loop()
@@ -562,11 +575,13 @@ class DynamicBatcher:
                              f"one {nbytes / _MIB:.1f} MiB, over max_queue_bytes {limit / _MIB:.1f} MiB; "
                              "retry later")
 
-    def _refuse_work(self, level_no: int, ahead: float, cost: float) -> None:
+    def _refuse_work(self, level_no: int, ahead: float, cost: float, deadline_s: float | None = None) -> None:
         where = f" at priority level {level_no}" if self.config.priority_levels else ""
         scale = self._scale * 1e3
+        bound = (f"max_queue_work_ms {self.config.max_queue_work_ms:g}" if deadline_s is None else
+                 f"{self._deadline_share:g} of this request's {deadline_s * 1e3:.0f} ms deadline")
         raise Overloaded(f"queue full of work{where}: {ahead * scale:.1f} ms of work waiting ahead exceeds "
-                         f"max_queue_work_ms {self.config.max_queue_work_ms:g} (estimated at the measured service "
+                         f"{bound} (estimated at the measured service "
                          f"rate; this request's own {cost * scale:.1f} ms not counted); retry later")
 
     def _release(self, item: Queued) -> None:

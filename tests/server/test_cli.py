@@ -357,6 +357,14 @@ def test_the_sla_sets_the_admission_defaults_and_flags_given_win() -> None:
     assert resolved("--p99-ms", "500") == (250.0, 2_000_000)
     assert resolved("--p99-ms", "500", "--max-queue-work-ms", "0", "--default-timeout-us", "0") == (0.0, 0)
 
+    def share(*argv: str) -> float:
+        args = build_parser().parse_args(["--model", "tiny", *argv])
+        apply_sla(args)
+        return args.deadline_work_share
+
+    # no SLA stated: clients' deadlines state theirs; one stated by the operator wins
+    assert (share(), share("--p99-ms", "250"), share("--max-queue-work-ms", "30")) == (0.5, 0.0, 0.0)
+
 
 def test_a_served_sla_shows_in_the_model_config_and_a_bad_one_is_refused() -> None:
     result = subprocess.run([str(SERVE), "--model", "tiny", "--p99-ms", "-5", "--grpc-port", "0", "--metrics-port", "-1"],

@@ -96,6 +96,37 @@ async def test_the_work_bound_refuses_the_request_that_would_exceed_it_and_quote
     await batcher.close()
 
 
+async def test_a_client_deadline_is_the_sla_its_request_is_admitted_against() -> None:
+    """With a deadline share, a request's deadline, not max_queue_work_ms, bounds the work ahead of it:
+    a loose deadline queues deeper than the server's bound, a tight one is refused early, and a request
+    with no deadline keeps the server's bound."""
+    model = HeldModel()
+    batcher = _one_at_a_time(model, clock=FakeClock(), cost=per_row_ms(10), max_queue_work_ms=30,
+                             deadline_work_share=0.5)
+    running = [asyncio.ensure_future(batcher.submit(_request(1), 1))]
+    await _settle()
+    running += [asyncio.ensure_future(batcher.submit(_request(1), 1, timeout_s=10.0)) for _ in range(6)]
+    await _settle()
+    assert batcher.queued == 6 and batcher.queued_work_s == pytest.approx(0.060)  # past the 30 ms bound
+    with pytest.raises(Overloaded, match=r"60\.0 ms of work waiting ahead exceeds max_queue_work_ms 30 "):
+        batcher.enqueue(_request(1), 1)  # no deadline: the server's bound
+    with pytest.raises(Overloaded, match=r"60\.0 ms of work waiting ahead exceeds 0\.5 of this request's "
+                                         r"100 ms deadline"):
+        batcher.enqueue(_request(1), 1, timeout_s=0.100)  # 50 ms of it: refused now, not timed out later
+    running.append(asyncio.ensure_future(batcher.submit(_request(1), 1, timeout_s=0.250)))  # 125 ms of it
+    await _settle()
+    assert batcher.queued == 7
+    model.gate.set()
+    await _drain(running)
+    assert all(not isinstance(r, Exception) for r in [t.result() for t in running])
+    await batcher.close()
+
+
+def test_the_deadline_share_is_checked() -> None:
+    with pytest.raises(ValueError, match="deadline_work_share must be in 0..1"):
+        BatchingConfig(deadline_work_share=1.5)
+
+
 async def test_estimates_are_rescaled_by_the_measured_service_rate() -> None:
     """The cost model says 1 ms a row; batches of 1 row take 10 ms: the bound counts 10 ms a row."""
     clock = FakeClock()
