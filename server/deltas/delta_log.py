@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import functools
 import json
 import logging
@@ -153,17 +154,29 @@ class DeltaLog:
         self.served.metrics.delta_sequence.labels(self.served.name, self.served.version).set(self.sequence)
 
     def _write_state(self, entries: list[_Entry]) -> None:
-        self.folder.mkdir(exist_ok=True)
+        """Replace applied.json with ``entries``: a temporary, allocated whole, written, synced and renamed.
+
+        Any OSError (a full disk, a read-only folder) is DeltaNotStored naming the file and the bytes,
+        and leaves the previous applied.json whole (the temporary is removed)."""
         state = {"sequence": entries[-1].sequence if entries else 0,
                  "fingerprint": entries[-1].fingerprint if entries else self.base_fingerprint,
                  "base_fingerprint": self.base_fingerprint,
                  "entries": [e.__dict__ for e in entries]}
+        data = json.dumps(state, indent=1).encode()
+        path = self.folder / STATE_FILE
         tmp = self.folder / f".{STATE_FILE}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(state, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / STATE_FILE)
+        try:
+            self.folder.mkdir(exist_ok=True)
+            _write_synced(tmp, data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise DeltaNotStored(f"{path}: the delta log's state ({len(data)} bytes) could not be written: "
+                                 f"{exc.strerror or exc}; nothing changed, the model serves sequence "
+                                 f"{self.sequence} (the previous {STATE_FILE} is whole)") from None
         _fsync_dir(self.folder)
 
     def _entry_updates(self, entry: str, kind: str) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]],
@@ -347,6 +360,23 @@ class DeltaLog:
             return {"model": self.served.name, "version": self.served.version, "sequence": self.sequence,
                     "rows": sum(ids.shape[0] for ids, _ in updates.values()),
                     "seconds": time.perf_counter() - t0, **held}
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """``data`` to a new file at ``path``, allocated first (a full disk fails before a byte is written) and synced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, len(data))
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(folder: Path) -> None:
