@@ -3,7 +3,8 @@
 A piece that only works at the sizes it was traced at (a ``squeeze()`` that drops the
 batch dim of a 1-item batch, a size baked into a reshape) would otherwise be found by
 the server's warm-up or by a lone 1-item request. Here it is refused at partition
-time, naming the size and the reason.
+time, naming the size and the reason. For an ONNX model (``check_onnx_pieces``) the
+original is the .onnx file under ONNX Runtime, and the pieces are host.onnx and dense.onnx.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sixfold.models.signature import DENSE, INDICES, LENGTHS
 from sixfold.partitioner.cut.graph_cut import SplitGraph
 from sixfold.partitioner.placement.strategy import PlanError
 
-__all__ = ["CHECK_SIZES", "PieceCheckError", "check_pieces", "jagged_request"]
+__all__ = ["CHECK_SIZES", "PieceCheckError", "check_pieces", "check_onnx_pieces", "jagged_request"]
 
 CHECK_SIZES = (1, 2, 3, 7, 64)
 """Item counts every piece must answer: the smallest batches, odd ones, and a large one."""
@@ -139,5 +140,74 @@ def check_pieces(reference: Callable[..., object], split: SplitGraph, heads: Seq
             why = _compare(f"the card piece {card!r}", heads, [out[h] for h in heads], want, items, rtol, atol)
             if why:
                 raise PieceCheckError(f"on a {what}, {why}")
+        checked.append(what)
+    return checked
+
+
+NumpyExampleFn = Callable[[int], dict[str, np.ndarray]]
+
+
+def _ort_session(model: object) -> object:
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.log_severity_level = 4  # failures are reported in the refusal, not logged
+    data = model if isinstance(model, bytes) else model.SerializeToString()  # type: ignore[attr-defined]
+    return ort.InferenceSession(data, sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def check_onnx_pieces(original: object, host: object, dense: object, *, host_inputs: Sequence[str],
+                      boundary: Sequence[str], dense_inputs: Sequence[str], heads: Sequence[str],
+                      example: NumpyExampleFn, sizes: Sequence[int] = CHECK_SIZES,
+                      rtol: float = 1e-4, atol: float = 1e-5) -> list[str]:
+    """``check_pieces`` for ONNX: host.onnx then dense.onnx against the original model, all under ONNX Runtime.
+
+    ``original``, ``host``, ``dense``: ONNX models (``onnx.ModelProto`` or serialized bytes).
+    ``example(n)``: a canonical n-item request as numpy arrays. Raises PieceCheckError naming the
+    size and the reason; returns the requests checked, as words.
+    """
+    reference, host_session, dense_session = (_ort_session(m) for m in (original, host, dense))
+    requests = [(f"{n}-item request", n, example(n)) for n in sizes]
+    as_torch = lambda n: {k: torch.from_numpy(v) for k, v in example(n).items()}  # noqa: E731
+    jagged = {k: v.numpy() for k, v in jagged_request(as_torch).items()}
+    try:
+        jagged_want = reference.run(list(heads), jagged)  # type: ignore[attr-defined]
+        requests.append(("7-item jagged request with empty bags", 7, jagged))
+    except Exception:  # noqa: BLE001 - the model takes a fixed id count per item: jagged traffic is not its
+        jagged_want = None
+    wants = []
+    for what, items, request in requests:
+        if request is jagged:
+            wants.append([np.asarray(w) for w in jagged_want])
+            continue
+        try:
+            wants.append([np.asarray(w) for w in reference.run(list(heads), request)])  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - the reason goes in the refusal
+            raise PieceCheckError(f"the model itself fails on a {what}: {_why(exc)}. The server is asked for "
+                                  "any batch size from 1 up; make the model run at every size (a squeeze() or "
+                                  "a size baked into a reshape drops or pins the batch dim)") from None
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    trailing = [list(w.shape[1:]) for w in wants[largest]]
+    checked = []
+    for (what, items, request), want in zip(requests, wants):
+        bad = next((f"{h!r} {list(w.shape)}, not {[items, *rest]}" for h, w, rest in zip(heads, want, trailing)
+                    if list(w.shape) != [items, *rest]), None)
+        if bad:
+            raise PieceCheckError(f"the model itself answers a {what} with {bad}: every output must be item-major "
+                                  "at every batch size (a squeeze() drops the batch dim of a 1-item batch: "
+                                  "squeeze(-1) keeps it)")
+        try:
+            crossing = host_session.run(list(boundary), {n: request[n] for n in host_inputs})  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001
+            raise PieceCheckError(f"the host piece (host.onnx) fails on a {what}: {_why(exc)}") from None
+        env = {**request, **dict(zip(boundary, crossing))}
+        try:
+            got = dense_session.run(list(heads), {n: env[n] for n in dense_inputs})  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001
+            raise PieceCheckError(f"the card piece (dense.onnx) fails on a {what}: {_why(exc)}") from None
+        why = _compare("the card piece (dense.onnx)", heads, [torch.from_numpy(np.asarray(g)) for g in got],
+                       [torch.from_numpy(w) for w in want], items, rtol, atol)
+        if why:
+            raise PieceCheckError(f"on a {what}, {why}")
         checked.append(what)
     return checked

@@ -54,6 +54,7 @@ from sixfold.partitioner.cut.layout import Layout, observed_layout
 from sixfold.partitioner.frontends.onnx_bags import CONTROL_FLOW_OPS, BagRewrite, rewrite_loop_bags
 from sixfold.partitioner.cut.sparse_dense import DENSE as DENSE_LABEL, HOST
 from sixfold.partitioner.placement.strategy import replicate
+from sixfold.partitioner.piece_check import PieceCheckError, check_onnx_pieces
 
 __all__ = ["Lookup", "OnnxSplit", "load_onnx", "find_lookups", "cut_onnx", "partition_onnx", "onnx_id_check",
            "LOOKUP_OPS", "POOLING_OPS", "WEIGHTING_OPS", "SHAPE_ONLY_OPS", "MAX_POOLING"]
@@ -357,6 +358,15 @@ def _cut(graph: _Graph, lookups: list[Lookup], heads: Sequence[str], where: str)
 # --- observing the model on example requests ----------------------------------------------------
 
 
+class _ModelFails(PieceCheckError):
+    """The original model fails on an observed request: refused naming its size (the piece check's words)."""
+
+    def __init__(self, items: int, reason: str) -> None:
+        super().__init__(f"the model itself fails on a {items}-item request: {reason}. The server is asked for any "
+                         "batch size from 1 up; make the model run at every size")
+        self.reason = reason
+
+
 class _Runner:
     """The original model with extra tensors exposed as outputs, in one onnxruntime session."""
 
@@ -380,9 +390,16 @@ class _Runner:
         self.model = model
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every exposed tensor, plus the feed itself (a lookup may read ``sparse_indices`` directly)."""
+        """Every exposed tensor, plus the feed itself (a lookup may read ``sparse_indices`` directly).
+
+        PieceCheckError naming the request size when the model fails on it (callers that
+        search, such as the pooling search, catch it and try another request).
+        """
         names = [o.name for o in self.session.get_outputs()]
-        return {**feed, **dict(zip(names, self.session.run(names, feed)))}
+        try:
+            return {**feed, **dict(zip(names, self.session.run(names, feed)))}
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+            raise _ModelFails(len(feed[DENSE]), f"{type(exc).__name__}: {_short(exc)}") from None
 
 
 def _session(model: onnx.ModelProto, quiet: bool = False) -> Any:
@@ -418,8 +435,8 @@ def _find_pooling(runner: _Runner, heads: Sequence[str], dense_dim: int, tables:
     for p in ([pooling] if pooling else range(1, MAX_POOLING + 1)):
         try:
             out = runner.run(_request(rows, dense_dim, tables, p))
-        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
-            last = f"with pooling {p}: {_short(exc)}"
+        except _ModelFails as exc:
+            last = f"with pooling {p}: {exc.reason}"
             continue
         bad = next((h for h in heads if out[h].ndim < 2 or out[h].shape[0] != rows), None)
         if bad is None:
@@ -862,6 +879,26 @@ def _tensor_info(split: OnnxSplit, name: str) -> TensorInfo:
         split.dtypes[name])), shape=shape, rows_per_item=layout.rows_per_item, ragged_by=layout.ragged_by)
 
 
+def _check_pieces(model: onnx.ModelProto, split: OnnxSplit, where: str) -> None:
+    """Refuse the plan unless host.onnx then dense.onnx answer like the original file at 1, 2, 3, 7 and 64
+    items and on a jagged request with empty bags (``piece_check.check_onnx_pieces``)."""
+    tables = len(split.tables["pooling"])
+    limits = split.tables.get("rows") or [2] * tables  # unknown mapping: ids 0 and 1 are the probed ones
+    dense_dim = split.shapes[DENSE][1]
+
+    def example(rows: int) -> dict[str, np.ndarray]:
+        ids = _random_ids(rows, tables, split.pooling, limits, seed=1000 + rows)
+        return _request(rows, dense_dim, tables, split.pooling, ids, seed=1000 + rows)
+
+    try:
+        checked = check_onnx_pieces(model, split.host, split.dense, host_inputs=split.host_inputs,
+                                    boundary=split.boundary, dense_inputs=split.dense_inputs, heads=split.heads,
+                                    example=example)
+    except PieceCheckError as exc:
+        raise PieceCheckError(f"{where}: {exc}") from None
+    log.info("%s: pieces checked against the model on a %s", where, ", a ".join(checked))
+
+
 def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSpec], host: DeviceSpec,
                    name: str | None = None, pooling: int | None = None, strategy: str = "auto",
                    batch_rows: int = 256) -> PartitionedModel:
@@ -876,8 +913,12 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
                          "one ONNX graph); use replicate, or export the model with torch.export (.pt2)")
     where = str(source) if not isinstance(source, onnx.ModelProto) else (name or "model")
     model = source if isinstance(source, onnx.ModelProto) else load_onnx(source)
-    split = cut_onnx(model, pooling=pooling, where=where)
+    try:
+        split = cut_onnx(model, pooling=pooling, where=where)
+    except PieceCheckError as exc:
+        raise PieceCheckError(f"{where}: {exc}") from None
     name = name or (Path(source).stem if not isinstance(source, onnx.ModelProto) else model.graph.name or "model")
+    _check_pieces(model, split, where)
 
     host_bytes, dense_bytes = _initializer_bytes(split.host), _initializer_bytes(split.dense)
     host_cost = PartitionCost(param_bytes=host_bytes, flops_per_item=0.0,
