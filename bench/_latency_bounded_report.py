@@ -26,15 +26,17 @@ MEAN_QUERY_ITEMS = float(np.mean(MLPERF_QUANTILES))  # 270 items
 LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so the p99 query
 IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
-SERVERS = ("sixfold", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "fifo", "mlserver", "triton", "triton-2inst",
+SERVERS = ("sixfold", "sixfold-simcard", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "fifo", "mlserver", "triton", "triton-2inst",
            "triton-batch")
 TRITONS = ("triton", "triton-2inst", "triton-batch")  # bench.harness.peers.TRITON_CONFIGS
 BEST_TRITON = "triton-best"  # per run and bound, the Triton configuration that served the most
-THIS_TREE = ("sixfold", "sixfold-shm", "sixfold-nobatch")  # the servers that run this checkout's code
+THIS_TREE = ("sixfold", "sixfold-simcard", "sixfold-shm", "sixfold-nobatch")  # the servers that run this checkout's code
 TAKES_IDS_DTYPE = (*THIS_TREE, "fifo")  # --ids-dtype reaches these; the others get INT64 ids
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
          "sixfold": "sixfold (default batching)",
+         "sixfold-simcard": "sixfold, six emulated m2-cards (`--backend simcard --cards 6`: the layout before the "
+                            "CPU-host default)",
          "sixfold-shm": "sixfold (default batching), inputs in system shared memory (`--client shm`)",
          "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching",
          "fifo": "FIFO server, measured (`bench/fifo_server.py`: the ideal's policy run here, offline torch, "
@@ -61,7 +63,7 @@ def _median_entry(entries: list[dict[str, Any]], bound: float) -> dict[str, Any]
     return real[(len(real) - 1) // 2]
 
 
-RATIOS = (("sixfold", BEST_TRITON), ("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
+RATIOS = (("sixfold", BEST_TRITON), ("sixfold", "sixfold-simcard"), ("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
           ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"),
           ("sixfold-before", "ideal"), ("sixfold", "sixfold-before"), ("sixfold-shm", "ideal"),
           ("sixfold-shm", "sixfold"), ("fifo", "ideal"), ("sixfold", "fifo"), ("sixfold-shm", "fifo"))

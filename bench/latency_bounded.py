@@ -10,9 +10,11 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
                    into queries/s by dividing by the mean MLPerf query size (270 items). The limit of
                    this machine: what a user would do offline (the zoo models have no faster path:
                    no compiled or fused variant; eager torch is how they are meant to run).
-  sixfold          ``sixfold-serve --model M --max-rows R --cards 6`` in its own process: default
-                   dynamic batching (1024 rows, 2 ms window), host-dense fallback at its default
-                   (-1: tuned from measured latencies)
+  sixfold          ``sixfold-serve --model M --max-rows R`` in its own process, at its defaults: the
+                   layout it picks for this host (docs/serving.md, "CPU host"), dynamic batching (1024
+                   rows, 2 ms window), host-dense fallback tuned from measured latencies
+  sixfold-simcard  the same on six emulated m2-cards (``--backend simcard --cards 6``): the default
+                   layout before the CPU-host one, for the comparison
   sixfold-nobatch  the same with ``--max-batch-rows 1 --max-queue-delay-us 0``: every request is its
                    own batch (a query larger than 1 row runs alone, no window); host-dense fallback
                    at its default too, and up to cards + 1 batches in flight as in ``sixfold``
@@ -123,7 +125,7 @@ from sixfold.loadgen import run_load_async  # noqa: E402
 from sixfold.loadgen.config import IDS_DTYPES  # noqa: E402
 
 CHANNELS_PER_WORKER = 8
-WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
+WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-simcard": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
               "fifo": USUAL_ORDER, "mlserver": DENSE_LAST, **{name: USUAL_ORDER for name in TRITONS}}
 
 
@@ -219,6 +221,9 @@ def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
     if name == "sixfold-before":
         return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree,
                               extra=args.serve_arg)
+    if name == "sixfold-simcard":
+        return sixfold_server(model, args.max_rows, 6, batching=True, workers=args.workers,
+                              extra=["--backend", "simcard", *args.serve_arg], name=name)
     return sixfold_server(model, args.max_rows, args.cards, batching=name in ("sixfold", "sixfold-shm"),
                           workers=args.workers, extra=args.serve_arg)
 
@@ -331,6 +336,7 @@ def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> d
     hi = round(offline["qps"] * 4, 2)
     names = [s for s in SERVERS if not ((s == "mlserver" and args.skip_mlserver)
                                         or (s == "sixfold-nobatch" and args.skip_nobatch)
+                                        or (s == "sixfold-simcard" and args.skip_simcard)
                                         or (s == "sixfold-shm" and args.skip_shm)
                                         or (s == "fifo" and args.skip_fifo)
                                         or (s == "sixfold-before" and not args.baseline_tree)
@@ -370,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=None, help="comma-separated (default dlrm-mlperf,rm2; --quick: dlrm-mlperf)")
     p.add_argument("--max-rows", type=int, default=None, help="rows per table at most (default 50000; --quick 20000)")
-    p.add_argument("--cards", type=int, default=6, help="simcards of the sixfold servers (default 6)")
+    p.add_argument("--cards", type=int, default=None,
+                   help="--cards of the sixfold servers (default: none given, sixfold-serve's own layout for this host)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes of each sixfold server (sixfold-serve --workers; default 1: "
                         "on 2 cores more cannot help; on a bigger host, try one per spare core)")
@@ -398,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triton", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
                    default=TRITONS, help=f"Triton configurations to run (default: {','.join(TRITONS)})")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
+    p.add_argument("--skip-simcard", action="store_true",
+                   help="leave out sixfold on six emulated m2-cards (the layout before the CPU-host default)")
     p.add_argument("--fifo-arg", action="append", default=[], metavar="ARG",
                    help="one more bench/fifo_server.py argument, e.g. --fifo-arg=--dense-precision --fifo-arg=int8 "
                         "beside --serve-arg=--dense-precision --serve-arg=int8 (repeatable)")

@@ -42,15 +42,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tree: str | None = None,
-                   workers: int = 1, extra: list[str] | None = None) -> ServerProc:
+def sixfold_server(model: str, max_rows: int, cards: int | None, *, batching: bool, tree: str | None = None,
+                   workers: int = 1, extra: list[str] | None = None, name: str | None = None) -> ServerProc:
     """``tree``: serve with the code of another source tree (e.g. ``git archive`` of an earlier commit), put
     first on PYTHONPATH, with this venv's packages: a before/after comparison in one run. ``workers``:
     ``sixfold-serve --workers`` (a tree from before the option serves with one). ``extra``: more
-    ``sixfold-serve`` arguments (``--serve-arg``), for every sixfold server."""
+    ``sixfold-serve`` arguments (``--serve-arg``), for every sixfold server. ``cards`` None: no ``--cards``,
+    sixfold-serve's own layout for the host. ``name``: the server's name in reports (default from the rest)."""
     argv = [*command("sixfold-serve", tree=tree), "--model", model, "--max-rows", str(max_rows),
-            "--cards", str(cards), "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
-            "--http-port", "-1", "--drain-seconds", "0"]
+            *([] if cards is None else ["--cards", str(cards)]), "--host", "127.0.0.1", "--grpc-port", "0",
+            "--metrics-port", "-1", "--http-port", "-1", "--drain-seconds", "0"]
     if workers > 1 and tree is None:
         argv += ["--workers", str(workers)]
     argv += extra or []
@@ -60,7 +61,7 @@ def sixfold_server(model: str, max_rows: int, cards: int, *, batching: bool, tre
     if tree is not None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(tree).resolve()),
                                                                            os.environ.get("PYTHONPATH"))))}
-    name = "sixfold-before" if tree is not None else "sixfold" if batching else "sixfold-nobatch"
+    name = name or ("sixfold-before" if tree is not None else "sixfold" if batching else "sixfold-nobatch")
     return ServerProc(name, argv, ready_line="READY grpc=", env=env)
 
 
