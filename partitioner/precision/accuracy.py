@@ -18,6 +18,11 @@ them. Reported:
 - ``ne_*``: normalized entropy, log-loss / entropy of the labels' base rate
   (He et al., "Practical lessons from predicting clicks on ads at Facebook");
 - ``ne_change_pct``: (NE_variant / NE_reference - 1) x 100.
+
+Every output head of the model is scored (a click and a conversion head, say): the
+top-level numbers are the first head's (the plan's first output), and ``heads`` holds
+each head's numbers. A head whose reference values are not all probabilities in [0, 1]
+(a logit, a regression) gets only the |diff| numbers, since log-loss needs probabilities.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ import numpy as np
 from sixfold.backends import registry
 from sixfold.backends.api import Executable, PartitionArtifact
 from sixfold.models import RequestGenerator
-from sixfold.models.signature import DENSE, LENGTHS, SCORES
+from sixfold.models.signature import DENSE, LENGTHS
 
 from sixfold.partitioner.partitioned import HOST_PARTITION, PartitionedModel
 from sixfold.partitioner.pricing.cost import module_param_bytes
@@ -70,6 +75,8 @@ class AccuracyReport:
     ne_reference: float
     ne_variant: float
     ne_change_pct: float
+    heads: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    """Per output head, in plan order: the same numbers for that head (None where they do not apply)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,11 +173,13 @@ class _Path:
             self.close()
             raise
 
-    def __call__(self, request: Mapping[str, np.ndarray]) -> np.ndarray:
+    def __call__(self, request: Mapping[str, np.ndarray], heads: list[str]) -> dict[str, np.ndarray]:
+        """Each head's values, one row per item (a head of k columns keeps them in the row)."""
         env = dict(request)
         for executable in self.executables:
             env.update(executable.run(env))
-        return np.asarray(env[SCORES], dtype=np.float32).reshape(-1)
+        rows = len(request[DENSE])
+        return {h: np.asarray(env[h], dtype=np.float32).reshape(rows, -1) for h in heads}
 
     def close(self) -> None:
         for executable in self.executables:
@@ -198,22 +207,45 @@ def accuracy_report(reference: Stages | PartitionedModel, variant: Stages | Part
     except BaseException:
         ref_path.close()
         raise
+    heads = [t.name for t in plan.outputs]
     try:
-        ref_scores, var_scores = [], []
+        ref_scores: list[dict[str, np.ndarray]] = []
+        var_scores: list[dict[str, np.ndarray]] = []
         done = 0
         while done < items:
             request = make(min(batch_rows, items - done))
-            ref_scores.append(ref_path(request))
-            var_scores.append(var_path(request))
-            done += ref_scores[-1].shape[0]
+            ref_scores.append(ref_path(request, heads))
+            var_scores.append(var_path(request, heads))
+            done += len(request[DENSE])
     finally:
         ref_path.close()
         var_path.close()
-    ref = np.concatenate(ref_scores)[:items]
-    var = np.concatenate(var_scores)[:items]
-    labels = (np.random.default_rng(seed).random(ref.shape[0]) < ref).astype(np.int8)
+    ref = {h: np.concatenate([r[h] for r in ref_scores])[:items].reshape(-1) for h in heads}
+    var = {h: np.concatenate([v[h] for v in var_scores])[:items].reshape(-1) for h in heads}
+    first = heads[0]
+    labels = (np.random.default_rng(seed).random(ref[first].shape[0]) < ref[first]).astype(np.int8)
+    per_head = {first: score_metrics(labels, ref[first], var[first])}
+    for i, head in enumerate(heads[1:], start=1):
+        per_head[head] = _head_metrics(ref[head], var[head], np.random.default_rng([seed, i]))
     return AccuracyReport(model=plan.model, reference=describe(ref_stages), variant=describe(var_stages),
-                          items=int(ref.shape[0]), seed=seed, **score_metrics(labels, ref, var))
+                          items=min(done, items), seed=seed, **per_head[first],
+                          heads=per_head if len(heads) > 1 else {})
+
+
+def _head_metrics(reference: np.ndarray, variant: np.ndarray, rng: np.random.Generator) -> dict[str, float | None]:
+    """A further head's numbers: labels ~ Bernoulli(its reference) where its values are probabilities, else |diff|."""
+    diff = np.abs(variant.astype(np.float64) - reference.astype(np.float64))
+    only_diff: dict[str, float | None] = {
+        "base_rate": None, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+        "logloss_reference": None, "logloss_variant": None, "ne_reference": None, "ne_variant": None,
+        "ne_change_pct": None}
+    if reference.size == 0 or reference.min() < 0 or reference.max() > 1:
+        return only_diff
+    labels = (rng.random(reference.shape[0]) < reference).astype(np.int8)
+    try:
+        return dict(score_metrics(labels, reference, variant))
+    except ValueError:  # every label alike: NE is undefined, the |diff| still says something
+        return only_diff
 
 
 def print_accuracy(report: AccuracyReport, console: Any) -> None:
@@ -233,4 +265,10 @@ def print_accuracy(report: AccuracyReport, console: Any) -> None:
     table.add_row("max |score diff|", "", f"{report.max_abs_diff:.3e}", "")
     table.add_row("mean |score diff|", "", f"{report.mean_abs_diff:.3e}", "")
     table.add_row("base rate", f"{report.base_rate:.4f}", "", "")
+    for head, numbers in list(report.heads.items())[1:]:  # the first head's numbers are the rows above
+        if numbers.get("ne_reference") is not None:
+            table.add_row(f"{head}: normalized entropy", f"{numbers['ne_reference']:.6f}",
+                          f"{numbers['ne_variant']:.6f}", f"{numbers['ne_change_pct']:+.4f} %")
+        table.add_row(f"{head}: max |diff|", "", f"{numbers['max_abs_diff']:.3e}", "")
+        table.add_row(f"{head}: mean |diff|", "", f"{numbers['mean_abs_diff']:.3e}", "")
     console.print(table)
