@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated built-in models, MODEL@fp16 or MODEL@int8 for a dense precision "
                         f"(default {','.join(DEFAULT_MODELS)}; 'all' for every one)")
+    p.add_argument("--repository", metavar="DIR",
+                   help="check every model version's dense partitions in this model repository (each pipeline "
+                        "stage, at the plan's precision) instead of the built-in models and op cases")
     p.add_argument("--max-batch", type=int, default=64, help="check batch sizes 1..N (default 64)")
     p.add_argument("--max-rows", type=int, default=200, help="rows per embedding table when building models")
     p.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
@@ -71,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = load_options_file(args.options_file) if args.options_file else {}
         options.update(dict(args.option))
-        with console.status(f"building {', '.join(names)} and checking backend {args.backend}..."):
+        what = f"reading {args.repository}" if args.repository else f"building {', '.join(names)}"
+        with console.status(f"{what} and checking backend {args.backend}..."):
             report = run_conformance(args.backend, models=names, max_batch=args.max_batch, max_rows=args.max_rows,
                                      card_spec=args.card_spec, options=options,
                                      checks=[c.strip() for c in args.checks.split(",") if c.strip()],
-                                     timeout_s=args.timeout, atol=args.atol, seed=args.seed, ops=not args.no_ops)
+                                     timeout_s=args.timeout, atol=args.atol, seed=args.seed, ops=not args.no_ops,
+                                     repository=args.repository)
     except (BackendError, KeyError, ValueError, FileNotFoundError, MemoryError) as exc:
         print(f"conformance: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

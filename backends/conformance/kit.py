@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -515,7 +516,8 @@ async def run_conformance_async(backend: str | Backend, *, models: Iterable[str]
                                 cases: Iterable[Case] | None = None, max_batch: int = 64, max_rows: int = 200,
                                 card_spec: str | DeviceSpec = "m2-card", options: Mapping[str, Any] | None = None,
                                 checks: Iterable[str] | None = None, timeout_s: float = 10.0,
-                                atol: float = 1e-4, seed: int = 0, ops: bool = True) -> ConformanceReport:
+                                atol: float = 1e-4, seed: int = 0, ops: bool = True,
+                                repository: str | Path | None = None) -> ConformanceReport:
     """``run_conformance`` for callers already on an event loop."""
     options = dict(options or {})
     checks = list(checks) if checks is not None else list(CHECKS)
@@ -526,6 +528,11 @@ async def run_conformance_async(backend: str | Backend, *, models: Iterable[str]
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     instance, name = _backend(backend, options)
     spec = card_spec if isinstance(card_spec, DeviceSpec) else load_spec(card_spec)
+    if cases is not None and repository is not None:
+        raise ValueError("give cases or a repository, not both")
+    if repository is not None:
+        from sixfold.backends.conformance.repository import repository_cases
+        cases = repository_cases(repository, max_batch=max_batch, seed=seed)
     case_list = list(cases) if cases is not None else builtin_cases(
         list(models), max_batch=max_batch, max_rows=max_rows, seed=seed)
     if cases is None and ops and "op" in checks:
@@ -547,7 +554,9 @@ def run_conformance(backend: str | Backend, **kwargs: Any) -> ConformanceReport:
     m2-card), ``options`` (backend options, for a name), ``checks`` (a subset
     of CHECKS), ``timeout_s`` (10: per call into the backend), ``atol`` (1e-4),
     ``seed``, ``ops`` (True: also run every ONNX op use of the zoo's dense
-    partitions as a one-node model, check "op"). Never raises for a wrong
+    partitions as a one-node model, check "op"), ``repository`` (a model
+    repository folder: every version's dense partitions instead of the zoo's,
+    ``sixfold.backends.conformance.repository``). Never raises for a wrong
     backend: the report says what failed.
     """
     try:
