@@ -175,7 +175,7 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
                      cache_policy: str = "tinylfu", host_chunk_rows: int = 0,
                      warm_from: str | Path | None = None,
                      card_scheduling: str = DEFAULT_CARD_SCHEDULING,
-                     cache_dir: str | Path | None = None) -> ServedModel:
+                     cache_dir: str | Path | None = None, lanes_on_host: bool = False) -> ServedModel:
     """Load the host stage (host backend by artifact format, or host + card shards) and every dense lane.
 
     ``card_timeout_multiple``/``card_timeout_floor_s``: a card batch's hang deadline (see ``PlanRuntime``).
@@ -185,8 +185,13 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     ``host_chunk_rows``: pipeline large batches' host and card stages in chunks (see ``PlanRuntime``).
     ``card_scheduling``: how batches get cards, "fifo" or "greedy" (see ``PlanRuntime``).
     ``cache_dir``: where tables derived from the model's go (see ``load_host_stage``).
+    ``lanes_on_host``: the dense lanes are the host's own cores (``sixfold.backends.cpu_layout``): a lane
+    takes a batch of any size, and a batch is split across lanes only from the size where halves were
+    measured to finish sooner (``sixfold.server.execution.lane_split``), not from ``min_split_rows``.
     """
     plan = partitioned.plan
+    if lanes_on_host:
+        max_card_rows = None
     host_device = plan.device(plan.devices_of(HOST_PARTITION)[0]).spec
     host = load_host_stage(partitioned, host_device, table_memory=table_memory, cache_policy=cache_policy,
                            cache_dir=cache_dir)
@@ -243,11 +248,34 @@ def load_partitioned(partitioned: Loadable, *, backend: str, metrics: ServerMetr
     served.parameters["sixfold.cards"] = str(len(cards))
     served.parameters["sixfold.card_memory_bytes"] = ",".join(f"{c}={b}" for c, b in card_bytes(cards).items())
     served.parameters["sixfold.backend"] = backend
+    if lanes_on_host:
+        served.parameters["sixfold.layout"] = "cpu"
+        try:
+            _split_where_it_pays(served)
+        except BaseException:
+            runtime.close()
+            raise
     return served
 
 
+def _split_where_it_pays(served: ServedModel) -> None:
+    """Set the runtime's split size from lanes timed whole and halved on a synthetic batch (``lane_split``)."""
+    from sixfold.server.execution.lane_split import SPLIT_PROBE_ROWS, measure_split
+    from sixfold.server.model.warmup import synthetic_batch
+
+    runtime = served.runtime
+    rows = max(SPLIT_PROBE_ROWS)
+    inputs = synthetic_batch(served, rows)
+    host_out = runtime.host.run({n: inputs[n] for n in runtime.host.input_names})
+    decision = measure_split(runtime.cards, {**inputs, **host_out}, rows)
+    runtime.min_split_rows = decision.min_split_rows
+    served.split_decision = decision  # type: ignore[attr-defined]
+    served.parameters["sixfold.min_split_rows"] = str(decision.min_split_rows)
+    log.info("%s: %s", served.name, decision.describe())
+
+
 def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, backend: str,
-                 card_spec: str, metrics: ServerMetrics, batching: BatchingConfig, host_spec: str = "host-cpu",
+                 card_spec: str | DeviceSpec, metrics: ServerMetrics, batching: BatchingConfig, host_spec: str = "host-cpu",
                  table_precision: str = "fp32", backend_options: dict | None = None,
                  max_card_rows: int | None = None, sparse_on_cards: str | None = None,
                  dense_precision: str = "fp32", host_dense_max_rows: int = -1,
@@ -255,7 +283,10 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                  card_timeout_multiple: float = 10.0, card_timeout_floor_s: float = 0.5,
                  table_memory: int | float | None = None, cache_policy: str = "tinylfu",
                  host_chunk_rows: int = 0, warm_from: str | Path | None = None,
-                 card_scheduling: str = DEFAULT_CARD_SCHEDULING, cache_dir: str | Path | None = None) -> ServedModel:
+                 card_scheduling: str = DEFAULT_CARD_SCHEDULING, cache_dir: str | Path | None = None,
+                 lanes_on_host: bool = False) -> ServedModel:
+    """Partition built-in model ``name`` onto ``cards`` cards of ``card_spec`` (a name, a file or a DeviceSpec)
+    plus the host, and load it (``lanes_on_host``: the cards are host cores, see ``load_partitioned``)."""
     _, partitioned = partition_builtin(name, max_rows=max_rows, seed=seed, cards=cards, card_spec=card_spec,
                                        host_spec=host_spec, table_precision=table_precision)
     if dense_precision != "fp32":
@@ -270,7 +301,7 @@ def load_builtin(name: str, *, max_rows: int | None, seed: int, cards: int, back
                             allow_nonfinite=allow_nonfinite, card_timeout_multiple=card_timeout_multiple,
                             card_timeout_floor_s=card_timeout_floor_s, table_memory=table_memory,
                             cache_policy=cache_policy, host_chunk_rows=host_chunk_rows, warm_from=warm_from,
-                            card_scheduling=card_scheduling, cache_dir=cache_dir)
+                            card_scheduling=card_scheduling, cache_dir=cache_dir, lanes_on_host=lanes_on_host)
 
 
 def load_from_repository(repository: ModelRepository, name: str, version: str, *, backend: str,
