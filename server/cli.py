@@ -290,6 +290,10 @@ def _parser() -> argparse.ArgumentParser:
                              "tables' checksums; never into the model repository (default: $SIXFOLD_CACHE_DIR, else "
                              "$XDG_CACHE_HOME/sixfold or ~/.cache/sixfold). Not writable: the tables are served as "
                              "they are, and the log says why (docs/serving.md)")
+    tables.add_argument("--cache-max-bytes", type=_cache_cap, default=None, metavar="BYTES",
+                        help="cap the --cache-dir folder (e.g. 64GiB; 0: no cap; default: 4x its largest entry): "
+                             "least recently used entries no process maps are removed when a new one is written "
+                             "(docs/serving.md)")
     tables.add_argument("--warm-from", metavar="RECORDING",
                         help="before serving, fill the row cache of models with a table memory from the queries of "
                              "this sixfold-loadgen --record file (docs/tiered-tables.md); a model's config.pbtxt may "
@@ -378,6 +382,17 @@ def _table_memory(text: str) -> int | float:
     if value is None:
         raise argparse.ArgumentTypeError("give a size such as 4GiB or a share such as 10%")
     return value
+
+
+def _cache_cap(text: str) -> int:
+    """--cache-max-bytes: a size (64GiB) or 0 (no cap)."""
+    from sixfold.backends.host.table_store import parse_bytes
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or 0 for no cap") from None
 
 
 def _resolve_layout(args: argparse.Namespace, out: _Output) -> Any:
@@ -808,6 +823,9 @@ def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
     if args.workers < 1:
         out.error(f"--workers must be >= 1, got {args.workers}")
         return 2
+    if args.cache_max_bytes is not None:  # read where cache entries are written (derived_cache); workers inherit it
+        from sixfold.backends.host.derived_cache import CACHE_MAX_ENV
+        os.environ[CACHE_MAX_ENV] = str(args.cache_max_bytes)
     try:
         for warning in _resolve_tokens(args):
             out.warning(warning)

@@ -11,6 +11,13 @@ Writes never go through a memory map (a full disk would be SIGBUS): the file is 
 first (``posix_fallocate``), then written with ``os.write`` to a temporary name, synced and renamed
 into place, so a reader sees a complete file or none. ENOSPC is an ``OSError`` naming the path and
 the bytes. Temporaries left by a crashed process are removed when a cache is opened.
+
+The cache is capped (``--cache-max-bytes``, ``$SIXFOLD_CACHE_MAX_BYTES``; default 4x its largest
+entry): before and after a new entry is written, the least recently used entries are removed
+until the folder fits, but never one a process maps or holds open (a served model's weights,
+found in ``/proc/*/maps`` and ``/proc/*/fd``), the entry just written, nor one used in the last
+``RECENT_S`` (a load in progress writes its entries before it maps them all). "Used" is the later
+of an entry's access and modification times; an entry seen in use is marked used now.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import io
 import logging
 import os
 import re
+import time
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,13 +37,19 @@ import numpy as np
 
 from sixfold.backends.processes import process_alive
 
-__all__ = ["CACHE_ENV", "FORMAT", "default_cache_dir", "content_key", "source_checksum", "write_npy",
-           "remove_stale_temporaries", "prepare_dir"]
+__all__ = ["CACHE_ENV", "CACHE_MAX_ENV", "FORMAT", "default_cache_dir", "content_key", "source_checksum",
+           "write_npy", "remove_stale_temporaries", "prepare_dir", "cache_max_bytes", "evict", "files_in_use"]
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SIXFOLD_CACHE_DIR"
 """Environment variable naming the cache folder (``sixfold-serve --cache-dir`` takes precedence)."""
+CACHE_MAX_ENV = "SIXFOLD_CACHE_MAX_BYTES"
+"""Environment variable capping the cache's bytes (``sixfold-serve --cache-max-bytes`` sets it); 0: no cap."""
+DEFAULT_CAP_ENTRIES = 4
+"""With no cap given, the cache keeps this many times its largest entry (room for a few versions' tables)."""
+RECENT_S = 600.0
+"""Entries used this recently are never evicted: a model still loading may have written them and not mapped them yet."""
 FORMAT = 1
 """Part of every key: raise it when the layout of a derived file changes, and old files are never read."""
 _TMP = re.compile(r"^\..+\.tmp(\d+)$")
@@ -83,6 +97,132 @@ def prepare_dir(folder: Path) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OSError(errno.EACCES, f"cache folder {str(folder)!r} is not writable")
     remove_stale_temporaries(folder)
+    _CACHE_FOLDERS.add(folder.resolve())
+    evict(folder)
+
+
+_CACHE_FOLDERS: set[Path] = set()
+"""Folders ``prepare_dir`` opened: a file ``write_npy`` puts in one is a cache entry, and the cap is kept after it."""
+
+
+def cache_max_bytes() -> int | None:
+    """The cap from ``$SIXFOLD_CACHE_MAX_BYTES`` (bytes; 0: no cap), or None (the default: 4x the largest entry)."""
+    text = os.environ.get(CACHE_MAX_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"${CACHE_MAX_ENV}={text!r}: give the cache's cap in bytes (0: no cap)") from None
+    if value < 0:
+        raise ValueError(f"${CACHE_MAX_ENV}={text!r}: the cap must be >= 0 bytes")
+    return value
+
+
+def files_in_use(paths: Iterable[Path]) -> set[Path]:
+    """Those of ``paths`` some process maps or holds open (``/proc/*/maps``, ``/proc/*/fd``; processes this user
+    cannot inspect are not seen)."""
+    wanted: dict[tuple[int, int], Path] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        wanted[(st.st_dev, st.st_ino)] = p
+    found: set[Path] = set()
+    if not wanted:
+        return found
+    devices = {(os.major(dev), os.minor(dev)): dev for dev, _ in wanted}
+    try:
+        pids = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) < 6 or fields[4] == "0":
+                        continue
+                    major, _, minor = fields[3].partition(":")
+                    dev = devices.get((int(major, 16), int(minor, 16)))
+                    if dev is not None and (dev, int(fields[4])) in wanted:
+                        found.add(wanted[(dev, int(fields[4]))])
+        except (OSError, ValueError):
+            pass
+        try:
+            fds = os.scandir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        with fds:
+            for fd in fds:
+                try:
+                    st = os.stat(fd.path)
+                except OSError:
+                    continue
+                key = (st.st_dev, st.st_ino)
+                if key in wanted:
+                    found.add(wanted[key])
+        if len(found) == len(wanted):
+            break
+    return found
+
+
+def evict(folder: Path, max_bytes: int | None = None, keep: Iterable[Path] = ()) -> list[Path]:
+    """Remove least recently used entries (``*.npy``) of cache ``folder`` until it holds at most ``max_bytes``
+    (None: ``cache_max_bytes()``, else 4x its largest entry; 0: no cap); never one in use or in ``keep``.
+
+    Returns the entries removed. A folder that cannot be made to fit (its entries in use are larger)
+    is left over the cap, with a warning."""
+    cap = cache_max_bytes() if max_bytes is None else max_bytes
+    entries: list[tuple[float, int, Path]] = []
+    try:
+        listing = list(os.scandir(folder))
+    except OSError:
+        return []
+    for e in listing:
+        if not e.name.endswith(".npy") or _TMP.match(e.name):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if e.is_file(follow_symlinks=False):
+            entries.append((max(st.st_atime, st.st_mtime), st.st_size, Path(e.path)))
+    if not entries:
+        return []
+    if cap is None:
+        cap = DEFAULT_CAP_ENTRIES * max(size for _, size, _ in entries)
+    total = sum(size for _, size, _ in entries)
+    if not cap or total <= cap:
+        return []
+    protected = {Path(p) for p in keep}
+    busy = files_in_use(path for _, _, path in entries)
+    now = time.time()
+    for path in busy:  # in use is used: it ranks as recent once its model lets it go
+        try:
+            os.utime(path, (now, path.stat().st_mtime))
+        except OSError:
+            pass
+    removed: list[Path] = []
+    for used, size, path in sorted(entries):
+        if total <= cap:
+            break
+        if path in busy or path in protected or now - used < RECENT_S:
+            continue
+        try:
+            path.unlink()
+        except OSError as exc:
+            log.warning("cache %s: could not remove %s to keep it under %d bytes: %s", folder, path.name, cap, exc)
+            continue
+        total -= size
+        removed.append(path)
+        log.info("cache %s: removed %s (%d bytes, least recently used) to keep it under %d bytes", folder,
+                 path.name, size, cap)
+    if total > cap:
+        log.warning("cache %s holds %d bytes, over its cap of %d: the rest is in use or used in the last %g s "
+                    "(--cache-max-bytes)", folder, total, cap, RECENT_S)
+    return removed
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
@@ -148,6 +288,8 @@ def write_npy(path: Path, dtype: np.dtype | type, shape: tuple[int, ...], chunks
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+    if _CACHE_FOLDERS and path.parent.resolve() in _CACHE_FOLDERS:
+        evict(path.parent, keep=[path])
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> int:

@@ -8,8 +8,11 @@ and a stage whose cache cannot be written serves the tables as they are.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,3 +143,82 @@ def test_temporaries_of_stopped_processes_are_removed(tmp_path: Path) -> None:
     derived_cache.prepare_dir(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
     shutil.rmtree(tmp_path)
+
+
+def _age(path: Path, seconds_ago: float) -> None:
+    """Set ``path``'s access and modification times to ``seconds_ago`` (its last use, as the cache sees it)."""
+    then = time.time() - seconds_ago
+    os.utime(path, (then, then))
+
+
+def test_the_cache_is_capped_least_recently_used_first_never_a_mapped_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three table sets' fused entries against a cap of two and a half: writing the third removes the least
+    recently used entry no stage maps (the older, mapped one stays and still scores); once that stage is gone,
+    it goes next."""
+    import gc
+
+    rows = (400, 90, 7, 150)
+    sets = {name: make_tables(rows, dim=16, seed=seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+    sources = {name: save_tables(t, tmp_path / name / "tables") for name, t in sets.items()}
+    lengths, indices = make_request(rows, n=8, seed=5)
+    cache = tmp_path / "cache"
+    entry_bytes = 128 + sum(rows) * 16 * 4
+    monkeypatch.setenv(derived_cache.CACHE_MAX_ENV, str(int(2.5 * entry_bytes)))
+    a = HostEmbeddingStage(sources["a"], cache_dir=cache)  # kept: its entry stays mapped
+    b = HostEmbeddingStage(sources["b"], cache_dir=cache)
+    entry = {"a": a.cache_paths[0], "b": b.cache_paths[0]}
+    assert entry["a"].stat().st_size == entry_bytes
+    del b
+    gc.collect()
+    _age(entry["a"], 7200)  # a: least recently used, but mapped
+    _age(entry["b"], 3600)
+    c = HostEmbeddingStage(sources["c"], cache_dir=cache)
+    entry["c"] = c.cache_paths[0]
+    assert entry["a"].exists() and entry["c"].exists() and not entry["b"].exists()
+    np.testing.assert_array_equal(a.run_numpy(lengths, indices), HostEmbeddingStage(sets["a"]).run_numpy(lengths, indices))
+    del a
+    gc.collect()
+    assert entry["a"].stat().st_atime > entry["c"].stat().st_atime  # seen mapped at the last eviction: used then
+    _age(entry["a"], 7200)
+    _age(entry["c"], 1800)
+    b = HostEmbeddingStage(sources["b"], cache_dir=cache)  # written again: now a (unmapped, oldest) goes
+    assert not entry["a"].exists() and entry["b"].exists() and entry["c"].exists()
+    assert sorted(p.name for p in (cache / "tables").iterdir()) == sorted([entry["b"].name, entry["c"].name])
+    np.testing.assert_array_equal(b.run_numpy(lengths, indices), HostEmbeddingStage(sets["b"]).run_numpy(lengths, indices))
+
+
+def test_eviction_spares_entries_another_process_maps_and_recent_ones(tmp_path: Path) -> None:
+    """A real second process maps one entry: it is never removed while that process runs; entries used in the
+    last RECENT_S are spared too; with no cap given the folder keeps 4x its largest entry."""
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    files = []
+    for i in range(8):
+        path = folder / f"fp32-1t-{i:040d}.npy"
+        np.save(path, np.full((1000, 8), i, np.float32))
+        _age(path, 10_000 - i)  # 0 is the least recently used
+        files.append(path)
+    recent = folder / "fp32-1t-recent.npy"
+    np.save(recent, np.zeros((1000, 8), np.float32))  # just written: spared whatever its rank
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, numpy as np; m = np.load(sys.argv[1], "
+                               "mmap_mode='r'); float(m[0, 0]); print('mapped', flush=True); sys.stdin.read()",
+                               str(files[0])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        assert derived_cache.files_in_use(files[:2]) == {files[0]}
+        size = files[0].stat().st_size
+        removed = derived_cache.evict(folder, max_bytes=5 * size)
+        assert removed == files[1:5]  # 0 is mapped, "recent" is recent: the next four oldest go
+        assert files[0].exists() and recent.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    _age(files[0], 20_000)
+    assert derived_cache.evict(folder, max_bytes=5 * size) == []  # five entries fit five
+    assert derived_cache.evict(folder, max_bytes=4 * size) == [files[0]]  # its process is gone: now it goes
+    assert derived_cache.evict(folder) == []  # 4 entries: within the default of 4x the largest
+    np.save(folder / "fp32-1t-extra.npy", np.zeros((10, 8), np.float32))
+    _age(folder / "fp32-1t-extra.npy", 50_000)
+    assert derived_cache.evict(folder) == [folder / "fp32-1t-extra.npy"]
+    assert derived_cache.evict(folder, max_bytes=0) == []  # 0: no cap
