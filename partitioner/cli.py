@@ -2,6 +2,7 @@
 
   sixfold-partition MODEL_FILE | --model NAME --out DIR   partition a model (the flags below)
   sixfold-partition calibrate [--out host.json] [--disk DIR]  measure this host (and a disk) as a device spec
+  sixfold-partition calibrate --card --backend NAME [--out card.json]  measure a card through its backend
   sixfold-partition show PLAN                        print a saved plan (plan.json or its folder), tiers included
   sixfold-partition tables build|import ...          write a model's tables to disk in chunks, or import a user's
   sixfold-partition tiers PLAN [--table-memory B]    price a plan's table tiers (row cache, disk reads)
@@ -383,6 +384,22 @@ def check_spec(value: str | None, flag: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"] and ("--card" in argv or any(a == "--backend" or a.startswith("--backend=")
+                                                              for a in argv)):
+        # Measure a card through its backend (sixfold.backends.spec_calibrate) and write its device spec.
+        from sixfold.backends.spec_calibrate import main as calibrate_card
+
+        def run_card(rest: list[str]) -> int:
+            if "-h" not in rest and "--help" not in rest:
+                if "--card" not in rest:
+                    raise UsageError("--backend measures a card: add --card (without them, calibrate measures this host)")
+                if spec := _option(rest, "--card-spec"):
+                    check_spec(spec, "--card-spec")
+                if out := _option(rest, "--out"):
+                    check_output_file(out, "--out")
+                    Path(out).parent.mkdir(parents=True, exist_ok=True)
+            return calibrate_card(rest)
+        return _subcommand("calibrate", run_card, argv[1:])
     if argv[:1] == ["calibrate"]:
         # Measure this host (FLOP/s, memory and gather bandwidth) and write a device spec;
         # --disk DIR also measures the disk under DIR for the table tiers (--disk-out FILE, default disk.json).
