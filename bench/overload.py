@@ -30,6 +30,12 @@ budget (``--max-queue-bytes-mb``, docs/serving.md "Limits") bounding what is buf
 The server's RSS is sampled every 0.2 s (``rss_timeline``) and ``--plot`` draws it against the bound
 idle + queue bytes + fixed overhead. Issue 33 saw RSS reach 15 GB (OOM) at 3x before that budget.
 
+In ``--mlperf`` mode the load comes from ``bench.serialized_load``: a small pool of requests
+(``--pool``, sizes drawn from MLPerf's distribution) serialized once and sent as they are (a gRPC
+generic unary call whose request serializer is identity) by ``--senders`` processes that split
+the rate. The report's ``generator`` says the rate offered against the rate sent and how late
+sends were (``kept_up``): a run whose generator did not keep up says nothing about 10x.
+
 ``tests/server/scheduling/test_overload.py`` runs the same phases for 8 s.
 """
 
@@ -39,6 +45,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +61,7 @@ from bench.harness.report import write_json  # noqa: E402
 from sixfold.loadgen import LoadConfig, MonotonicClock, Target, drive, plan_run, summarize  # noqa: E402
 from sixfold.loadgen.record import ERROR, OK  # noqa: E402
 
-__all__ = ["OverloadResult", "ServerProcess", "rss_mb", "run_overload"]
+__all__ = ["OverloadResult", "ServerProcess", "rss_mb", "run_overload", "run_overload_serialized"]
 
 REJECTED = "resource_exhausted"
 
@@ -95,6 +102,8 @@ class OverloadResult:
     recovery_ms: list[float] = field(default_factory=list)
     recovery_errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    generator: dict[str, Any] = field(default_factory=dict)
+    """``--mlperf``: rate offered vs sent, send lateness, whether the generator kept up (bench.serialized_load)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,6 +177,87 @@ async def run_overload(url: str, model: str, *, factor: float = 3.0, duration_s:
     report = summarize(record, config, {})
     result.goodput_qps = round(float(report.achieved_qps), 2)
     result.warnings = list(report.warnings)
+    return result
+
+
+def _sample_rss_thread(pid: int | None, peak: list[float], stop: threading.Event,
+                       timeline: list[tuple[float, float]]) -> None:
+    started = time.monotonic()
+    while not stop.is_set():
+        now = rss_mb(pid)
+        peak[0] = max(peak[0], now)
+        timeline.append((round(time.monotonic() - started, 2), round(now, 1)))
+        stop.wait(0.2)
+
+
+async def _probe(url: str, payload: bytes, probes: int) -> tuple[list[float], list[str]]:
+    """Recovery: ``probes`` requests one after another; their times (ms) and errors."""
+    import grpc
+
+    from bench.serialized_load import _channel
+
+    channel, call = _channel(url)
+    took, errors = [], []
+    try:
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            try:
+                await call(payload, timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+            took.append(round((time.perf_counter() - t0) * 1e3, 2))
+    finally:
+        await channel.close()
+    return took, errors
+
+
+def run_overload_serialized(url: str, model: str, *, factor: float = 3.0, duration_s: float = 60.0,
+                            query_size: str = "mlperf", capacity_s: float = 5.0, concurrency: int = 16,
+                            probes: int = 10, pid: int | None = None, seed: int = 0,
+                            capacity_qps: float | None = None, senders: int = 1, pool: int = 16,
+                            max_outstanding: int = 1024) -> OverloadResult:
+    """The three phases with ``bench.serialized_load``'s generator (pre-serialized requests, ``senders`` processes)."""
+    from bench.serialized_load import KEPT_UP_LAG_MS, build_pool, closed_loop, run_senders, summarize_sends
+
+    requests = build_pool(url, model, size=pool, query_size=query_size, seed=seed)
+    if capacity_qps is None:
+        capacity_qps = asyncio.run(closed_loop(url, requests, concurrency=concurrency, duration_s=capacity_s))
+    offered = factor * capacity_qps
+    result = OverloadResult(capacity_qps=round(float(capacity_qps), 2), offered_qps=round(float(offered), 2),
+                            duration_s=duration_s)
+    before = rss_mb(pid)
+    peak, stop = [before], threading.Event()
+    sampler = threading.Thread(target=_sample_rss_thread, args=(pid, peak, stop, result.rss_timeline), daemon=True)
+    sampler.start()
+    try:
+        sends = run_senders(url, model, offered, duration_s, senders=senders, pool_size=pool, query_size=query_size,
+                            seed=seed + 1, max_outstanding=max_outstanding)
+    finally:
+        stop.set()
+        sampler.join(5)
+    result.recovery_ms, result.recovery_errors = asyncio.run(_probe(url, requests.payloads[0], probes))
+    result.rss_mb = {"before": round(before, 1), "peak": round(peak[0], 1), "after": round(rss_mb(pid), 1)}
+    summary = summarize_sends(sends, offered, duration_s)
+    result.sent, result.ok, result.rejected = summary["sent"], summary["ok"], summary["refused"]
+    result.refused_pct = round(100.0 * result.rejected / max(1, result.sent), 1)
+    result.other_errors = summary["other_errors"]
+    if summary["unanswered"]:
+        result.other_errors["unanswered"] = summary["unanswered"]
+    result.admitted_ms, result.rejected_ms = summary["admitted_ms"], summary["refused_ms"]
+    result.goodput_qps = summary["goodput_qps"]
+    result.generator = {key: summary[key] for key in ("offered_qps", "sent_qps", "scheduled", "sent", "skipped",
+                                                      "send_lag_ms", "kept_up", "mean_items")}
+    result.generator.update(senders=senders, pool=pool, pool_mean_mb=round(requests.mean_bytes / 2**20, 2))
+    if not summary["kept_up"]:
+        lag = summary["send_lag_ms"]["p99"]
+        why = []
+        if (lag or 0.0) > KEPT_UP_LAG_MS:
+            why.append(f"sends were late (p99 {lag} ms): add --senders, or run the generator on other cores")
+        if summary["skipped"]:
+            why.append(f"{summary['skipped']} requests were not sent because {max_outstanding} were unanswered "
+                       "(the server held them instead of refusing): raise --max-outstanding")
+        result.warnings.append(f"the generator did not keep up: {summary['sent_qps']} q/s sent of "
+                               f"{summary['offered_qps']} offered; " + "; ".join(why or ["too few sent"]))
     return result
 
 
@@ -310,6 +400,13 @@ def main(argv: list[str] | None = None) -> int:
                         "records RSS over time")
     p.add_argument("--max-rows", type=int, default=2000,
                    help="rows per table of the started server (default 2000; the issue's runs: 50000)")
+    p.add_argument("--senders", type=int, default=1,
+                   help="--mlperf: load generator processes splitting the offered rate (default 1)")
+    p.add_argument("--pool", type=int, default=16,
+                   help="--mlperf: distinct requests, serialized once, their sizes drawn from MLPerf's (default 16)")
+    p.add_argument("--max-outstanding", type=int, default=1024,
+                   help="--mlperf: unanswered requests at once, over all senders; a request due past it is not "
+                        "sent and counted as the generator falling behind (default 1024)")
     p.add_argument("--plot", help="draw the server's RSS over the overload into this PNG")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
@@ -320,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) == default:
                 setattr(args, name, mlperf)
     def go(url: str, pid: int | None) -> OverloadResult:
+        if args.mlperf:
+            return run_overload_serialized(url, args.model, factor=args.factor, duration_s=args.duration,
+                                           query_size=args.query_size, pid=pid, capacity_qps=args.capacity_qps,
+                                           probes=args.probes, senders=args.senders, pool=args.pool,
+                                           max_outstanding=args.max_outstanding)
         return asyncio.run(run_overload(url, args.model, factor=args.factor, duration_s=args.duration,
                                         query_size=args.query_size, pid=pid, capacity_qps=args.capacity_qps,
                                         probes=args.probes))
