@@ -222,3 +222,35 @@ def test_eviction_spares_entries_another_process_maps_and_recent_ones(tmp_path: 
     _age(folder / "fp32-1t-extra.npy", 50_000)
     assert derived_cache.evict(folder) == [folder / "fp32-1t-extra.npy"]
     assert derived_cache.evict(folder, max_bytes=0) == []  # 0: no cap
+
+
+def test_sixfold_serve_cache_max_bytes_evicts_old_entries_at_load(tmp_path: Path) -> None:
+    """The flag end to end: a real sixfold-serve loads a repository version (tables built to disk), writes its
+    fused entry into --cache-dir and, capped at 1 byte, removes three old small entries (the default cap, 4x the
+    largest entry, would keep them) but not its own, which it maps; it serves."""
+    import tritonclient.grpc as tc
+
+    from sixfold import models
+    from sixfold.partitioner.tables.build import build_streamed
+    from tests.conftest import ServeProcess, triton_inputs
+
+    build_streamed("rm1", tmp_path / "repo" / "rm1" / "1", max_rows=300, cards=1, progress=False)
+    folder = tmp_path / "cache" / "tables"
+    folder.mkdir(parents=True)
+    old = [folder / f"fp32-1t-{i:040d}.npy" for i in range(3)]
+    for path in old:
+        np.save(path, np.zeros((16, 8), np.float32))
+        _age(path, 3600)
+    assert derived_cache.evict(folder) == []  # the default cap keeps them
+    serve = ServeProcess("--model-repository", str(tmp_path / "repo"), "--backend", "simcard", "--grpc-port", "0",
+                         "--metrics-port", "0", "--cache-dir", str(tmp_path / "cache"), "--cache-max-bytes", "1")
+    try:
+        assert serve.url, serve.output
+        entries = sorted(p.name for p in folder.iterdir())
+        assert len(entries) == 1 and entries[0].startswith("fp32-") and not any(p.exists() for p in old), entries
+        assert "over its cap of 1" in serve.output  # its own entry, mapped, stays: the log says so
+        request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=1).make(4)
+        with tc.InferenceServerClient(serve.url) as client:
+            assert client.infer("rm1", triton_inputs(tc, request)).as_numpy("scores").shape == (4, 1)
+    finally:
+        serve.stop()
