@@ -18,8 +18,8 @@ can re-export the built-in backends without an import cycle.
 
 # The interface and its version.
 from sixfold.backends.api import (
-    BACKEND_API_VERSION, Arrays, Backend, BackendError, DeviceLost, DoesNotFit, Executable, PartitionArtifact, TensorLayout,
-    parse_api_version,
+    BACKEND_API_VERSION, Arrays, Backend, BackendError, CardRef, DeviceLost, DoesNotFit, Executable, PartitionArtifact,
+    TensorLayout, parse_api_version,
 )
 # Devices: what a partition is priced and checked against, and the named ones.
 from sixfold.backends.spec import DeviceSpec, spec_names
@@ -42,6 +42,7 @@ from sixfold.backends.builtin.torch_backend import TorchBackend, TorchExecutable
 __all__ = [
     "BACKEND_API_VERSION", "parse_api_version",
     "Arrays", "Backend", "BackendError", "DeviceLost", "DoesNotFit", "Executable", "PartitionArtifact", "TensorLayout",
+    "CardRef",
     "DeviceSpec", "load_spec", "spec_names", "SPECS_GROUP", "SpecConflict", "UnknownSpec",
     "check_fits", "format_bytes",
     "reject_unknown", "int_option", "bool_option",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,15 +26,16 @@ import numpy as np
 from sixfold.backends.os_threads import os_thread_name, start_worker_thread
 from sixfold.backends.spec import DeviceSpec
 
-__all__ = ["BACKEND_API_VERSION", "PartitionArtifact", "TensorLayout", "Backend", "Executable", "BackendError", "DoesNotFit",
+__all__ = ["BACKEND_API_VERSION", "PartitionArtifact", "TensorLayout", "CardRef", "Backend", "Executable", "BackendError", "DoesNotFit",
            "Arrays", "parse_api_version", "api_version_problem"]
 
-BACKEND_API_VERSION = "1.2"
+BACKEND_API_VERSION = "1.3"
 """The version of the vendor interface (``sixfold.backends``' ``__all__``), "MAJOR.MINOR".
 
 MINOR goes up when something is added and every plug-in written against an
 earlier minor of the same major keeps working unchanged (1.1 added
-``PartitionArtifact.layouts`` and ``TensorLayout``) (a new optional method
+``PartitionArtifact.layouts`` and ``TensorLayout``; 1.2 ``DeviceLost``; 1.3
+``PartitionArtifact.card`` and ``CardRef``) (a new optional method
 with a default, a new field with a default, a new name in ``__all__``). MAJOR
 goes up when a plug-in may have to change: a name removed or renamed, a required
 method added, a signature, a tensor contract or a threading rule changed. A
@@ -87,6 +89,38 @@ class TensorLayout:
                 "passed_on": self.passed_on}
 
 
+@dataclass(frozen=True)
+class CardRef:
+    """The physical card a load is for (Backend API 1.3), so a backend knows which device to compile for.
+
+    One naming scheme everywhere: card ``index`` K is the K-th card of the server (``--cards N``: 0..N-1),
+    the plan's device id ``cardK`` (plan.json ``devices`` and ``placements``), the ``card`` label ``cardK`` on
+    /metrics and in logs, and the ``DeviceSpec`` given to ``load`` is named ``SPEC/cardK``. A pipeline replica
+    spans several cards; each of its stages is loaded with its own card.
+    """
+
+    index: int
+    """0-based index of the physical card among the server's cards."""
+    spec: str
+    """The name of that card's DeviceSpec as given (``m2-card``, ``mycard-x1``), without the ``/cardK`` suffix."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"CardRef.index must be an int >= 0, got {self.index!r}")
+        if not self.spec or "/" in self.spec:
+            raise ValueError(f"CardRef.spec must be a device spec name without '/', got {self.spec!r}")
+
+    @property
+    def name(self) -> str:
+        """``cardK``: the plan's device id and the metrics label."""
+        return f"card{self.index}"
+
+    @property
+    def device_name(self) -> str:
+        """``SPEC/cardK``: the name of the DeviceSpec ``load`` receives, and of the card's memory ledger."""
+        return f"{self.spec}/{self.name}"
+
+
 @dataclass
 class PartitionArtifact:
     """One partition, ready to load: its format, its payload and what the cost model knows.
@@ -112,6 +146,13 @@ class PartitionArtifact:
     layouts: dict[str, TensorLayout] = field(default_factory=dict)
     """Per input and output name: its layout over the batch's items (``TensorLayout``). A name
     missing here has an unknown layout: the server never splits a batch on it."""
+    card: CardRef | None = None
+    """The physical card this load is for (index and DeviceSpec name; ``CardRef``). None: a load that is for
+    no one physical card (the host fallback, a tool that loads on a spec alone). Backend API 1.3."""
+
+    def for_card(self, card: CardRef) -> "PartitionArtifact":
+        """This artifact, labelled for one card's load (a shallow copy: the payload is shared)."""
+        return dataclasses.replace(self, card=card)
 
 
 class Executable(ABC):

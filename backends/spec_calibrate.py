@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from sixfold.backends.api import Backend, PartitionArtifact
+from sixfold.backends.api import Backend, CardRef, PartitionArtifact
 from sixfold.backends.spec import DeviceSpec
 
 __all__ = ["calibrate_card", "mlp_partition", "copy_partition", "main", "PRECISIONS"]
@@ -143,6 +143,8 @@ def calibrate_card(backend: Backend, base: DeviceSpec | None = None, *, name: st
     if typical_rows not in rows:
         rows = sorted({*rows, typical_rows})
     spec = _base_spec(backend, base)
+    card = CardRef(0, spec.name.split("/")[0])  # one physical card, named as the server names its cards
+    device = dataclasses.replace(spec, name=card.device_name)
     say = log or (lambda _text: None)
     rng = np.random.default_rng(0)
     share = seconds_budget / (len(PRECISIONS) * len(rows) + 2)
@@ -158,7 +160,7 @@ def calibrate_card(backend: Backend, base: DeviceSpec | None = None, *, name: st
             measured["declined"].append(precision)
             say(f"{precision}: declined by supports()")
             continue
-        exe = backend.load(artifact, dataclasses.replace(spec, name=f"{spec.name}/calibrate"))
+        exe = backend.load(artifact.for_card(card), device)
         try:
             curve = {}
             for n in rows:
@@ -173,7 +175,7 @@ def calibrate_card(backend: Backend, base: DeviceSpec | None = None, *, name: st
                 + ", ".join(f"{n} rows {f / 1e9:,.1f}" for n, f in curve.items()) + ")")
         finally:
             exe.close()
-    exe = backend.load(copy_partition(copy_width), dataclasses.replace(spec, name=f"{spec.name}/calibrate-copy"))
+    exe = backend.load(copy_partition(copy_width).for_card(card), device)
     try:
         one = {"x": rng.standard_normal((1, copy_width)).astype(np.float32)}
         many = {"x": rng.standard_normal((copy_rows, copy_width)).astype(np.float32)}
@@ -194,8 +196,11 @@ def calibrate_card(backend: Backend, base: DeviceSpec | None = None, *, name: st
     return result, measured
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sixfold-partition calibrate --card --backend NAME``: measure a card, print or write its DeviceSpec JSON."""
+def main(argv: Sequence[str] | None = None, check: Callable[[argparse.Namespace], None] | None = None) -> int:
+    """``sixfold-partition calibrate --card --backend NAME``: measure a card, print or write its DeviceSpec JSON.
+
+    ``check(args)`` runs right after parsing, before any measuring (the CLI checks its files and specs there).
+    """
     from sixfold.backends.options import load_options_file, parse_option
     from sixfold.backends.registry import get_backend
     from sixfold.backends.spec_catalog import load_spec
@@ -216,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="the spec's name (default BACKEND-calibrated)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here instead of stdout")
     args = parser.parse_args(argv)
+    if check is not None:
+        check(args)
     try:
         rows = sorted({int(r) for r in args.rows.split(",") if r.strip()})
     except ValueError:

@@ -389,16 +389,16 @@ def main(argv: list[str] | None = None) -> int:
         # Measure a card through its backend (sixfold.backends.spec_calibrate) and write its device spec.
         from sixfold.backends.spec_calibrate import main as calibrate_card
 
+        def check_card(args: argparse.Namespace) -> None:  # after parsing, before seconds of measuring
+            check_spec(args.card_spec, "--card-spec")
+            if args.out:
+                check_output_file(args.out, "--out")
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
         def run_card(rest: list[str]) -> int:
-            if "-h" not in rest and "--help" not in rest:
-                if "--card" not in rest:
-                    raise UsageError("--backend measures a card: add --card (without them, calibrate measures this host)")
-                if spec := _option(rest, "--card-spec"):
-                    check_spec(spec, "--card-spec")
-                if out := _option(rest, "--out"):
-                    check_output_file(out, "--out")
-                    Path(out).parent.mkdir(parents=True, exist_ok=True)
-            return calibrate_card(rest)
+            if "--card" not in rest and "-h" not in rest and "--help" not in rest:
+                raise UsageError("--backend measures a card: add --card (without them, calibrate measures this host)")
+            return calibrate_card(rest, check_card)
         return _subcommand("calibrate", run_card, argv[1:])
     if argv[:1] == ["calibrate"]:
         # Measure this host (FLOP/s, memory and gather bandwidth) and write a device spec;

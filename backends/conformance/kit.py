@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from sixfold.backends.api import Arrays, Backend, DoesNotFit, Executable
+from sixfold.backends.api import Arrays, Backend, CardRef, DoesNotFit, Executable
 from sixfold.backends.memory import format_bytes
 from sixfold.backends.spec import DeviceSpec
 from sixfold.backends.spec_catalog import load_spec
@@ -63,10 +63,12 @@ class _Context:
         with self._error_lock:  # the concurrency check compares on several threads
             self.max_error = error if self.max_error is None else max(self.max_error, error)
 
-    def device(self) -> DeviceSpec:
-        """A fresh device name each time: each load is its own card, as the server does it."""
+    def card(self, **changes: Any) -> tuple[CardRef, DeviceSpec]:
+        """The next card (index 0, 1, ...) and its DeviceSpec named ``SPEC/cardK``: each load is its own
+        physical card, named as the server names them (``CardRef``)."""
+        card = CardRef(self._devices, self.spec.name)
         self._devices += 1
-        return dataclasses.replace(self.spec, name=f"{self.spec.name}/conformance{self._devices}")
+        return card, dataclasses.replace(self.spec, name=card.device_name, **changes)
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` on an abandonable thread, within the timeout; its exception is re-raised here."""
@@ -95,9 +97,11 @@ class _Context:
             self.report.hung = True
             raise Hung(f"{what}: no answer and no error within {self.timeout_s:g} s") from None
 
-    def load(self, device: DeviceSpec | None = None) -> Executable:
-        device = device or self.device()
-        return self.call(lambda: self.backend.load(self.case.artifact, device), f"load on {device.name}")
+    def load(self, **device_changes: Any) -> Executable:
+        """Load the case's artifact on the next card, the artifact labelled with that card as serving labels it."""
+        card, device = self.card(**device_changes)
+        artifact = self.case.artifact.for_card(card)
+        return self.call(lambda: self.backend.load(artifact, device), f"load on {device.name}")
 
     def close(self, exe: Executable) -> None:
         self.call(exe.close, f"close() of {exe.device.name}")
@@ -405,9 +409,8 @@ _NUMBER = re.compile(r"\d")
 async def check_does_not_fit(ctx: _Context) -> str:
     art = ctx.case.artifact
     memory = max(1, art.param_bytes // 4)
-    tiny = dataclasses.replace(ctx.spec, name=f"{ctx.spec.name}/tiny", memory_bytes=memory)
     try:
-        exe = ctx.load(tiny)
+        exe = ctx.load(memory_bytes=memory)
     except DoesNotFit as exc:
         message = str(exc)
         if len(_NUMBER.findall(message)) < 2:

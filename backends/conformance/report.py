@@ -33,10 +33,10 @@ class CheckResult:
 
     @property
     def tolerance_text(self) -> str:
-        """"max err 3.1e-07 / atol 1e-04" for a check that compared answers, else ""."""
+        """"3.1e-07 / 0.0001" (max error / atol) for a check that compared answers, else ""."""
         if self.max_error is None or self.atol is None:
             return ""
-        return f"{self.max_error:.1e} / {self.atol:.0e}"
+        return f"{self.max_error:.1e} / {self.atol:.2g}"
 
     @property
     def passed(self) -> bool:
@@ -87,11 +87,11 @@ class ConformanceReport:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         title = f"sixfold conformance: backend {self.backend}" + (f" ({opts})" if opts else "")
         table = Table(title=title, caption=self.summary(), title_justify="left", caption_justify="left")
-        table.add_column("model")
+        table.add_column("model", no_wrap=True)  # a case's name stays greppable ("op Gemm(...) float16")
         table.add_column("check")
         table.add_column("result")
         table.add_column("time", justify="right")
-        table.add_column("max err / atol", justify="right")
+        table.add_column("max err / atol", justify="right", no_wrap=True)
         table.add_column("detail", overflow="fold")
         style = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]SKIP[/]", "declined": "[cyan]DECLINED[/]"}
         for r in self.results:

@@ -79,19 +79,20 @@ class NumpyRefExecutable(Executable):
         super().close()
         if self._evaluator is not None:
             self._evaluator = None
-            self._backend._release(self.device.name, self._weight_bytes)
+            card = self.artifact.card.device_name if self.artifact.card is not None else self.device.name
+            self._backend._release(card, self._weight_bytes)
 
 
 class NumpyRefBackend(Backend):
     """ONNX partitions on numpy through ``onnx.reference.ReferenceEvaluator``.
 
-    No options. Memory is budgeted per device name: partitions loaded on one
-    device share its ``memory_bytes``, and ``close()`` gives a share back.
+    No options. Memory is budgeted per physical card (``artifact.card``, else the device's name): partitions
+    loaded on one card share its ``memory_bytes``, and ``close()`` gives a share back.
     """
 
     name = "numpy-ref"
     formats = ("onnx",)
-    api_version = "1.2"  # the sixfold.backends.BACKEND_API_VERSION this was written against
+    api_version = "1.3"  # the sixfold.backends.BACKEND_API_VERSION this was written against
 
     def __init__(self, **options: Any) -> None:
         reject_unknown(self.name, options, ())
@@ -134,10 +135,13 @@ class NumpyRefBackend(Backend):
             raise BackendError(f"numpy-ref could not read partition {artifact.name}: {exc}") from exc
         weights = sum(int(onnx.numpy_helper.to_array(t).nbytes) for t in model.graph.initializer)
         need = max(weights, artifact.param_bytes)
+        # The physical card this load is for (Backend API 1.3): a real driver opens device artifact.card.index
+        # here. Loads for no one card (artifact.card None: the kit's own, a tool's) budget by the device's name.
+        card = artifact.card.device_name if artifact.card is not None else device.name
         with self._lock:  # reserve before compiling: refuse at load, quoting both numbers
-            used = self._used.get(device.name, 0)
+            used = self._used.get(card, 0)
             check_fits(dataclasses.replace(artifact, param_bytes=need), device, device.memory_bytes - used)
-            self._used[device.name] = used + need
+            self._used[card] = used + need
         try:
             evaluator = ReferenceEvaluator(model)
             contract = {vi.name: _contract(vi) for vi in model.graph.input}
@@ -145,7 +149,7 @@ class NumpyRefBackend(Backend):
             if missing:
                 raise BackendError(f"numpy-ref: partition {artifact.name}: inputs {missing} not in the model")
         except BaseException:
-            self._release(device.name, need)
+            self._release(card, need)
             raise
         return NumpyRefExecutable(artifact, device, evaluator, contract, need, self)
 

@@ -43,7 +43,7 @@ def test_a_failing_check_reports_the_error_beyond_its_tolerance() -> None:
     outputs = report.result("rm2", "outputs")
     assert outputs.outcome == "fail" and outputs.atol == 2e-4
     assert outputs.max_error is not None and 9e-4 < outputs.max_error < 1.1e-3
-    assert outputs.tolerance_text == f"{outputs.max_error:.1e} / 2e-04"
+    assert outputs.tolerance_text == f"{outputs.max_error:.1e} / 0.0002"
 
 
 def test_a_case_with_its_own_tolerance_reports_that_one() -> None:
