@@ -101,10 +101,23 @@ RUN = (
     Run("docs/deltas.md", "sixfold-delta show deltas/0002", "checks and prints the delta the line above wrote"),
     Run("docs/deltas.md", "sixfold-delta apply", "applies deltas/0001 to the live server (explicit control, T)"),
     Run("docs/deltas.md", "sixfold-delta rollback", "rolls the live server back to sequence 0"),
+    Run("docs/backends.md", "sixfold-partition --model rm2 --cards 3 --strategy pipeline",
+        "a 3-stage pipeline of a zoo model into the test's repo/", SMALL),
+    Run("docs/backends.md", "python -m sixfold.backends.conformance onnxruntime --repository repo",
+        "the kit on every stage of the repository the line above wrote", ("--max-batch", "3")),
+    Run("docs/backends.md", "sixfold-partition calibrate --card --backend onnxruntime",
+        "measures onnxruntime as a card, at small sizes for 2 s", ("--seconds", "2", "--rows", "4,32",
+                                                                    "--typical-rows", "32", "--width", "128")),
+    Run("docs/backends.md", "sixfold-partition --model rm2 --cards 2 --card-spec card.json",
+        "plans on the card.json the line above measured", SMALL),
 )
 
 # Why the other sixfold lines are parsed only: (page, or "*" for any; the command's start; why). First match.
 PARSE_ONLY = (
+    ("docs/vendor.md", "python -m sixfold.backends.conformance mycard --repository", "the reader's own backend and "
+     "repository (docs/backends.md's line runs the kit on a repository with onnxruntime)"),
+    ("docs/vendor.md", "sixfold-partition calibrate --card --backend mycard", "the reader's own backend "
+     "(docs/backends.md's line measures onnxruntime)"),
     ("docs/vendor.md", "", "walked through by tests/backends/test_vendor_page.py, the example backend installed"),
     ("docs/bring-your-own-model.md", "sixfold-partition onehot.pt2", "step 6, run by "
      "tests/partitioner/test_cross_cut_examples.py (the .pt2 files are made by the page's Python)"),
