@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from starlette.applications import Starlette
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from sixfold.server.memory.allocator import keep_freed_memory
@@ -31,7 +33,8 @@ from sixfold.server.transport.grpc_servicer import InferenceServicer
 from sixfold.server.transport.grpc_receive import bounded_model_infer, sized_model_infer
 from sixfold.server.transport.limits import TransportLimits, grpc_options
 from sixfold.server.transport.receive_budget import ReceiveBudget
-from sixfold.server.workers.siblings import Siblings, WorkerSet
+from sixfold.server.workers.engine_channel import ENGINE_GRPC_SOCKET, EngineChannel
+from sixfold.server.workers.siblings import WorkerSet
 from sixfold.server.model.warmup import warm_up
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer", "PortError", "check_ports", "port_problem"]
@@ -77,9 +80,12 @@ class ServerConfig:
     """Accept Triton's system shared memory extension: co-located clients register /dev/shm
     segments and send tensors by region (``sixfold.server.protocol.shared_memory``); False refuses it."""
     workers: WorkerSet | None = None
-    """Set in each worker of ``sixfold-serve --workers N`` (``sixfold.server.workers.supervisor``): the port is shared
-    with the siblings (SO_REUSEPORT), and changes are told to them (``sixfold.server.workers.siblings``). None: this
-    process alone binds the port, and a busy port is an error."""
+    """Set in each front end of ``sixfold-serve --workers N`` (``sixfold.server.workers.frontend``): the ports are
+    shared with the other front ends (SO_REUSEPORT). None: this process alone binds the port, and a busy port is
+    an error."""
+    engine_folder: str | None = None
+    """Set in the engine of ``sixfold-serve --workers N``: serve the front ends' channel
+    (``sixfold.server.workers.engine_channel``) and this gRPC service on Unix sockets in this run folder."""
     quiet_seconds: float = 0.3
     """On shutdown, keep answering UNAVAILABLE until no request has arrived for this long
     (bounded by the grace), so a request caught mid-upload is refused, not cancelled."""
@@ -171,8 +177,13 @@ def check_ports(host: str, ports: Mapping[str, int | None], *, host_label: str =
 
 
 class SixfoldServer:
-    def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, core: InferenceCore, config: ServerConfig, metrics: ServerMetrics, *,
+                 servicer: InferenceServicer | None = None, rest_app: Starlette | None = None) -> None:
+        """``servicer`` / ``rest_app``: served instead of the core's own (a ``--workers`` front end's, which ask
+        the engine)."""
         self.core, self.config, self.metrics = core, config, metrics
+        self._servicer, self._rest_app = servicer, rest_app
+        self._engine_channel: EngineChannel | None = None
         if not config.shared_memory:
             core.shared_memory = None
         self.port: int | None = None
@@ -204,7 +215,8 @@ class SixfoldServer:
                 if not model.warmed_up:
                     await warm_up(model)
         server = self._server = grpc.aio.server(options=options)
-        servicer = InferenceServicer(self.core, control_token=self.config.control_token, metrics=self.metrics)
+        servicer = self._servicer or InferenceServicer(self.core, control_token=self.config.control_token,
+                                                       metrics=self.metrics)
         # NOTE: ModelInfer's own handler first (grpc asks handlers in order): its deserializer keeps the raw
         # tensors as views of the message instead of copying them twice (sixfold.server.protocol.infer_request)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {
@@ -230,16 +242,19 @@ class SixfoldServer:
                 problem = f"gRPC refused the TLS certificate or key ({self.config.tls_cert}, {self.config.tls_key})"
             raise PortError(f"could not bind {self.config.host}:{self.config.grpc_port} for gRPC: "
                             f"{problem or 'is another server on it?'}")
-        if workers is not None:  # the siblings tell this worker what they changed, over its own socket
+        if self.config.engine_folder is not None:  # the front ends forward every RPC but inference here
+            address = f"unix:{self.config.engine_folder}/{ENGINE_GRPC_SOCKET}"
             try:
-                server.add_insecure_port(workers.address())
+                server.add_insecure_port(address)
             except RuntimeError:
-                raise OSError(f"could not bind {workers.address()}") from None
-            self.core.siblings = Siblings(workers, self.config.control_token)
+                raise OSError(f"could not bind {address}") from None
         await server.start()
+        if self.config.engine_folder is not None:
+            self._engine_channel = EngineChannel(self.core, Path(self.config.engine_folder))
+            await self._engine_channel.start()
         if self.config.http_port is not None:
-            app = build_app(self.core, max_body_bytes=self.config.max_message_bytes,
-                            control_token=self.config.control_token, metrics=self.metrics)
+            app = self._rest_app or build_app(self.core, max_body_bytes=self.config.max_message_bytes,
+                                              control_token=self.config.control_token, metrics=self.metrics)
             self._rest = RestServer(app, self.config.host, self.config.http_port, tls_cert=self.config.tls_cert,
                                     tls_key=self.config.tls_key, grace_seconds=self.config.grace_seconds,
                                     reuse_port=workers is not None, limits=self.config.limits,
@@ -316,8 +331,8 @@ class SixfoldServer:
             await self._rest.stop()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
-        if self.core.siblings is not None:
-            await self.core.siblings.close()
+        if self._engine_channel is not None:
+            await self._engine_channel.close()
         if self.metrics_port is not None:
             self.metrics.close()
             self.metrics_port = None

@@ -1,32 +1,26 @@
-"""``sixfold-serve --workers N``: N server processes on one port, sharing the cards.
+"""``sixfold-serve --workers N``: one engine and N front ends behind the server's ports.
 
-One event loop is one Python server's ceiling: decoding, validation and the answers of every
-request run on it, one core's worth at most. N workers spread that over N cores. Each worker is
-a whole ``sixfold-serve`` (models, batcher, router, both front ends) bound to the same gRPC and
-REST ports with SO_REUSEPORT, so the kernel spreads connections over them; each gRPC channel
-stays with the worker it reached. What they share:
+One event loop is one Python server's ceiling: decoding, validation and the answer of every request
+run on it, one core's worth at most. With ``--workers N`` the protocol work spreads over N
+front-end processes (``sixfold.server.workers.frontend``) bound to the same gRPC and REST ports with
+SO_REUSEPORT, while the tables, models, batcher and cards live once, in one engine process (a
+``sixfold-serve`` with ``--as-engine``, on loopback and Unix sockets only). The front ends pass
+tensors to the engine through shared memory (``sixfold.server.workers.engine_channel``), so
+requests from every front end batch together, table deltas and model control work as in one
+process, and host memory holds one copy of the tables.
 
-- the cards: simulated cards keep one modelled timeline per card for all workers
-  (``sixfold.backends.builtin.shared_timeline``), so N workers model the same six cards, not 6N; real devices
-  are shared by their drivers;
-- what clients change: a model loaded or unloaded, a shared memory region registered or
-  unregistered, is told to every worker (``sixfold.server.workers.siblings``) before the client's answer.
-
-What they do not share: host memory (each worker holds its own copy of resident tables; tiered
-tables share the page cache), batches (a worker batches only the requests it received),
-statistics (each worker's are its own; /metrics is one page, the workers' series merged into one
-process's names and types: ``sixfold.server.workers.worker_metrics``), and table deltas (refused:
-they need ``--workers 1``).
-
-This process only supervises: it starts worker 0 (which binds the ports asked for, 0 included),
-then the others on the ports worker 0 bound, prints the READY line once all serve, passes
-SIGTERM/SIGINT on, and stops every worker when one exits on its own (an orchestrator restarts
-the whole server; a lone restarted worker would not hold what clients had changed).
+This process only supervises: it starts the engine, then front end 1 (which binds the ports asked
+for, 0 included), then the others on the ports front end 1 bound; prints the READY line once all
+serve; passes SIGTERM/SIGINT on; restarts a front end that exits on its own (it holds nothing a
+client changed: the engine does); and stops the server (exit code 1) when the engine exits on its
+own. Its /metrics is one page: the engine's series and the front ends' counters
+(``sixfold.server.workers.worker_metrics``; worker 0 is the engine).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -90,31 +84,38 @@ def _remove_stale_run_folders(parent: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+ENGINE_ARGS = "--as-engine"
+"""The flag that makes a ``sixfold-serve`` the engine of a ``--workers`` server (its value: the run folder)."""
+RESTART_READY_S = 60.0
+"""How long a restarted front end may take to serve (it loads no model: about a second)."""
+
+
 def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int, http_port: int,
                   metrics_port: int, tls_cert: str | None = None, tls_key: str | None = None,
-                  metrics_token: str | None = None, print_line: Callable[[str], None] = print,
+                  metrics_token: str | None = None, front_end: Mapping[str, object] | None = None,
+                  print_line: Callable[[str], None] = print,
                   env: Mapping[str, str | None] | None = None) -> int:
-    """Run ``count`` workers of ``sixfold-serve argv`` until SIGTERM/SIGINT or one of them exits; the exit code.
+    """Run the engine of ``sixfold-serve argv`` and ``count`` front ends until SIGTERM/SIGINT or the engine exits;
+    the exit code.
 
-    ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free). The workers'
-    own /metrics pages are on loopback; this process serves them all on ``metrics_port``. ``env``: set
-    (None: unset) in the workers' environment, on top of this one's: secrets such as the tokens go there,
-    not in ``argv``, which every local user can read in the process list. The ports were checked by
-    sixfold-serve before it got here (``sixfold.server.app.check_ports``, a plain bind that also tells
-    apart another server holding a port the workers would join with SO_REUSEPORT).
+    ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free). ``front_end``: the
+    front ends' own settings (``sixfold.server.workers.frontend.FrontEndSpec`` fields: message size, drain,
+    arena bytes, transport limits). ``env``: set (None: unset) in the children's environment, on top of this
+    one's: secrets such as the tokens go there, not in ``argv``, which every local user can read in the process
+    list. The ports were checked by sixfold-serve before it got here (``sixfold.server.app.check_ports``).
     """
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     _remove_stale_run_folders(Path(shm or tempfile.gettempdir()))
     folder = Path(tempfile.mkdtemp(prefix=f"{RUN_FOLDER_PREFIX}{os.getpid()}-", dir=shm))
-    base = [sys.executable, "-m", "sixfold.server.cli", *argv]
-    worker_env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+    child_env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
     for key, value in (env or {}).items():
         if value is None:
-            worker_env.pop(key, None)
+            child_env.pop(key, None)
         else:
-            worker_env[key] = value
+            child_env[key] = value
     lock = threading.Lock()
-    workers: list[ReadyProcess | None] = [None] * count
+    procs: list[ReadyProcess | None] = [None] * (count + 1)
+    """Index 0: the engine; 1..count: the front ends."""
     stopping = threading.Event()
 
     def echo(index: int) -> Callable[[str], None]:
@@ -124,81 +125,116 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
                     print_line(f"[worker {index}] {text.rstrip()}")
         return line
 
-    def start(index: int, grpc: int, http: int) -> ReadyProcess:
-        """Start a worker without waiting for it; from this thread (a worker's parent-death signal follows
-        the thread that started it, so none may start from a pool's thread). Its own session: a terminal's
-        Ctrl-C reaches the supervisor alone, which stops the workers in order."""
-        cmd = [*base, "--as-worker", f"{folder}:{index}:{count}", "--grpc-port", str(grpc),
-               "--http-port", str(http), "--metrics-port", "-1" if metrics_port < 0 else "0"]
-        worker = ReadyProcess(cmd, env=worker_env, echo=echo(index), start_new_session=True, timeout_s=0)
-        workers[index] = worker
-        return worker
+    def start_engine() -> ReadyProcess:
+        cmd = [sys.executable, "-m", "sixfold.server.cli", *argv, ENGINE_ARGS, str(folder), "--host", "127.0.0.1",
+               "--grpc-port", "0", "--http-port", "-1" if http_port < 0 else "0",
+               "--metrics-port", "-1" if metrics_port < 0 else "0"]
+        procs[0] = ReadyProcess(cmd, env=child_env, echo=echo(0), start_new_session=True, timeout_s=0)
+        return procs[0]
+
+    def start_front_end(index: int, grpc: int, http: int, engine_http: str | None) -> ReadyProcess:
+        """Start a front end without waiting for it; from this thread (a child's parent-death signal follows
+        the thread that started it). Its own session: a terminal's Ctrl-C reaches the supervisor alone."""
+        spec = {**(front_end or {}), "folder": str(folder), "index": index, "count": count, "host": host,
+                "grpc_port": grpc, "http_port": None if http < 0 else http, "engine_http": engine_http,
+                "metrics": metrics_port >= 0, "tls_cert": tls_cert, "tls_key": tls_key}
+        cmd = [sys.executable, "-m", "sixfold.server.workers.frontend", json.dumps(spec)]
+        procs[index] = ReadyProcess(cmd, env=child_env, echo=echo(index), start_new_session=True, timeout_s=0)
+        return procs[index]  # type: ignore[return-value]
 
     def stop_all(sig: int = signal.SIGTERM) -> None:
-        for worker in workers:
-            if worker is not None and worker.proc.poll() is None:
-                worker.proc.send_signal(sig)
+        for proc in procs:
+            if proc is not None and proc.proc.poll() is None:
+                proc.proc.send_signal(sig)
 
-    def on_signal(signum: int, frame: object) -> None:  # a second signal ends the workers' drain grace
+    def on_signal(signum: int, frame: object) -> None:  # a second signal ends the children's drain grace
         stopping.set()
         stop_all()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     metrics: MetricsEndpoint | None = None
     try:
-        first = start(0, grpc_port, http_port)
+        engine = start_engine()
+        if not _wait_ready(engine, stopping):
+            return _stopped(procs) if stopping.is_set() else _failed(engine, 0)
+        engine_ports = _parse_ports(engine.lines)
+        engine_http = None if engine_ports["http"] is None else f"127.0.0.1:{engine_ports['http']}"
+        first = start_front_end(1, grpc_port, http_port, engine_http)
         if not _wait_ready(first, stopping):
-            return _stopped(workers) if stopping.is_set() else _failed(first, 0)
+            if stopping.is_set():
+                return _stopped(procs)
+            stop_all()
+            return _failed(first, 1)
         ports = _parse_ports(first.lines)
-        others = [start(i, ports["grpc"], -1 if ports["http"] is None else ports["http"]) for i in range(1, count)]
+        shared_http = -1 if ports["http"] is None else ports["http"]
+        others = [start_front_end(i, ports["grpc"], shared_http, engine_http) for i in range(2, count + 1)]
         if stopping.is_set():  # a signal while they were starting: they may have missed it
-            return _stopped(workers)
-        for index, worker in enumerate(others, start=1):
-            if not _wait_ready(worker, stopping):
+            return _stopped(procs)
+        for index, proc in enumerate(others, start=2):
+            if not _wait_ready(proc, stopping):
                 if stopping.is_set():
-                    return _stopped(workers)
+                    return _stopped(procs)
                 stop_all()
-                return _failed(worker, index)
+                return _failed(proc, index)
         pages = []
-        for index, worker in enumerate(workers):
-            assert worker is not None
-            pages.append(_parse_ports(worker.lines)["metrics"])
-            print_line(f"sixfold-serve: worker {index} pid {worker.pid}")
+        for index, proc in enumerate(procs):
+            assert proc is not None
+            pages.append(_parse_ports(proc.lines)["metrics"])
+            print_line(f"sixfold-serve: worker {index} pid {proc.pid} ({'the engine' if index == 0 else 'a front end'})")
+        source = None
         if metrics_port >= 0:
-            metrics = MetricsEndpoint(WorkersMetrics(pages, token=metrics_token, tls=bool(tls_cert and tls_key)))
+            source = WorkersMetrics(pages, token=metrics_token, tls=bool(tls_cert and tls_key))
+            metrics = MetricsEndpoint(source)
             try:
                 bound = metrics.serve(host, metrics_port, tls_cert=tls_cert, tls_key=tls_key, token=metrics_token)
             except OSError as exc:
                 metrics = None
                 _error(f"sixfold-serve: could not serve metrics on {host}:{metrics_port}: {exc.strerror or exc}")
                 stop_all()
-                _wait_all(workers)
+                _wait_all(procs)
                 return 2
-            print_line(f"sixfold-serve: metrics of all workers on {host}:{bound} (summed as one server's)")
-        print_line(f"sixfold-serve: {count} workers share {host}:{ports['grpc']} (gRPC)"
+            print_line(f"sixfold-serve: metrics of the engine and the front ends on {host}:{bound} "
+                       "(summed as one server's)")
+        print_line(f"sixfold-serve: one engine, {count} front ends share {host}:{ports['grpc']} (gRPC)"
                    + (f" and {host}:{ports['http']} (REST)" if ports["http"] is not None else "")
                    + f"; run folder {folder}")
         print_line(f"{READY_PREFIX}{host}:{ports['grpc']}")
         while not stopping.is_set():
-            exited = [(i, w) for i, w in enumerate(workers) if w is not None and w.proc.poll() is not None]
-            if exited:
-                index, worker = exited[0]
-                _error(f"sixfold-serve: worker {index} (pid {worker.pid}) exited with code "
-                       f"{worker.proc.returncode}; stopping the others")
+            if engine.proc.poll() is not None:
+                _error(f"sixfold-serve: the engine (pid {engine.pid}) exited with code {engine.proc.returncode}; "
+                       "stopping the front ends")
                 stop_all()
-                _wait_all(workers)
+                _wait_all(procs)
                 return 1
+            for index in range(1, count + 1):
+                old = procs[index]
+                assert old is not None
+                if old.proc.poll() is None or stopping.is_set():
+                    continue
+                fresh = start_front_end(index, ports["grpc"], shared_http, engine_http)
+                if not fresh.wait_ready(RESTART_READY_S):
+                    if stopping.is_set():
+                        break
+                    _error(f"sixfold-serve: front end {index} exited with code {old.proc.returncode} and did not "
+                           "come back; stopping the server")
+                    stop_all()
+                    _wait_all(procs)
+                    return 1
+                if source is not None:
+                    source.ports[index] = _parse_ports(fresh.lines)["metrics"]
+                print_line(f"sixfold-serve: front end {index} (pid {old.pid}) exited with code "
+                           f"{old.proc.returncode}; restarted as pid {fresh.pid}")
             stopping.wait(0.2)
-        return max(_wait_all(workers), default=0)
+        return max(_wait_all(procs), default=0)
     finally:
         stop_all()
         if metrics is not None:
             metrics.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for worker in workers:
-            if worker is not None and worker.proc.poll() is None:
-                worker.kill()
+        for proc in procs:
+            if proc is not None and proc.proc.poll() is None:
+                proc.kill()
         shutil.rmtree(folder, ignore_errors=True)
 
 

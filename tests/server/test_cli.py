@@ -319,7 +319,7 @@ def test_workers_get_the_tokens_in_their_environment_not_their_argv(tmp_path) ->
     try:
         assert serve.url, serve.output
         pids = [serve.proc.pid] + [int(p) for p in __import__("re").findall(r"worker \d+ pid (\d+)", serve.output)]
-        assert len(pids) == 3, serve.output
+        assert len(pids) == 4, serve.output  # the supervisor, the engine and two front ends
         for pid in pids:
             cmdline = _cmdline(pid)
             assert "s3cret" not in cmdline, cmdline

@@ -8,10 +8,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+import shutil
 import warnings
 from pathlib import Path
 
@@ -28,30 +30,45 @@ with warnings.catch_warnings():  # it imports pkg_resources, which warns that it
 from sixfold import models
 from sixfold.partitioner.artifacts import write_artifacts
 from sixfold.partitioner.compile import partition_builtin
+from sixfold.partitioner.tables.checksums import table_checksums
+from sixfold.partitioner.tables.deltas import make_delta
+from sixfold.server.deltas.cli import apply_delta, rollback_delta
 from tests.conftest import ServeProcess, free_port, triton_inputs
 
 SERVE = Path(sys.executable).parent / "sixfold-serve"
 CHANNELS = 24
-"""Fresh channels per check: with 2 workers, all landing on one has odds of 2**-23."""
+"""Fresh channels per check: with 2 front ends, all landing on one has odds of 2**-23."""
 
 
-def _workers(proc: ServeProcess) -> dict[int, int]:
-    """worker index -> pid, from the supervisor's lines."""
-    return {int(i): int(pid) for i, pid in re.findall(r"worker (\d+) pid (\d+)", proc.output)}
+def _pids(proc: ServeProcess) -> dict[int, int]:
+    """worker index -> pid, from the supervisor's lines (0: the engine; 1..N: the front ends)."""
+    return {int(i): int(pid) for i, pid in re.findall(r"worker (\d+) pid (\d+) \((?:the engine|a front end)\)",
+                                                      proc.output)}
 
 
-def _served(proc: ServeProcess) -> dict[str, float]:
-    """Requests each worker answered, from the server's one /metrics page (the per-worker series)."""
+def _page(proc: ServeProcess, token: str | None = None) -> str:
     port = re.search(r"metrics of all workers on [^:]+:(\d+)", proc.output).group(1)
-    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    served: dict[str, float] = {}
-    for line in page.splitlines():
-        if line.startswith("sixfold_worker_inference_request_success_total{"):
-            worker = re.search(r'worker="(\d+)"', line).group(1)
-            served[worker] = float(line.rsplit(" ", 1)[1])
-    total = re.search(r'^nv_inference_request_success\{model="tiny",version="1"\} (\S+)$', page, re.M)
-    assert total and float(total.group(1)) == sum(served.values()), page  # Triton's counter: the workers' sum
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    return urllib.request.urlopen(request, timeout=10).read().decode()
+
+
+def _served(proc: ServeProcess, model: str = "tiny", exact: bool = True) -> dict[str, float]:
+    """Inference requests each front end answered, from the server's one /metrics page (``exact``: they add up
+    to the engine's count, as they do while no front end was restarted)."""
+    page = _page(proc)
+    served = {m[0]: float(m[1]) for m in re.findall(r'^sixfold_frontend_requests_total\{frontend="(\d+)"\} (\S+)$',
+                                                     page, re.M)}
+    total = re.search(rf'^nv_inference_request_success\{{model="{model}",version="1"\}} (\S+)$', page, re.M)
+    assert total and (float(total.group(1)) == sum(served.values()) or not exact), page  # the engine's count
     return served
+
+
+def _http_url(proc: ServeProcess) -> str:
+    """The REST ``HOST:PORT``: of the front ends, or of one process."""
+    found = re.search(r"share \S+ \(gRPC\) and (\S+) \(REST\)", proc.output) or \
+        re.search(r"REST https?://(\S+)/v2", proc.output)
+    return found.group(1)
 
 
 def _gone(pid: int) -> bool:
@@ -72,32 +89,175 @@ def two_workers():
         proc.kill()
 
 
-def test_two_workers_share_the_ports_answer_alike_and_stop_on_sigterm(two_workers):
-    proc = two_workers
-    workers = _workers(proc)
-    assert sorted(workers) == [0, 1], proc.output
-    request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=3).make(5)
+def _answers(url: str, http_url: str, request: dict) -> list[np.ndarray]:
+    """Scores over CHANNELS fresh gRPC channels, then CHANNELS // 2 fresh REST connections."""
     answers = []
     for _ in range(CHANNELS):  # each client is its own channel, so its own connection
-        with tc.InferenceServerClient(proc.url) as client:
+        with tc.InferenceServerClient(url) as client:
             answers.append(client.infer("tiny", triton_inputs(tc, request)).as_numpy("scores"))
-    for scores in answers[1:]:
-        np.testing.assert_array_equal(scores, answers[0])  # same weights in every worker
-    http_url = re.search(r"share \S+ \(gRPC\) and (\S+) \(REST\)", proc.output).group(1)
     for _ in range(CHANNELS // 2):
         with th.InferenceServerClient(http_url) as client:
-            np.testing.assert_array_equal(client.infer("tiny", triton_inputs(th, request)).as_numpy("scores"),
-                                          answers[0])
-    served = _served(proc)
-    assert sorted(served) == ["0", "1"] and all(n > 0 for n in served.values()), f"a worker got no request: {served}"
-    assert sum(served.values()) >= CHANNELS * 1.5  # warm-up batches are not requests
-    proc.proc.send_signal(signal.SIGTERM)
-    assert proc.proc.wait(timeout=60) == 0, proc.output
-    assert all(_gone(pid) for pid in workers.values())
-    assert "worker 1] sixfold-serve: stopped" in proc.output
+            answers.append(client.infer("tiny", triton_inputs(th, request)).as_numpy("scores"))
+    return answers
 
 
-def test_a_shared_memory_region_registered_through_one_worker_is_known_to_all(two_workers):
+def test_four_front_ends_answer_as_one_process_and_stop_on_sigterm():
+    request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=3).make(5)
+    single = ServeProcess("--model", "tiny", "--grpc-port", "0", "--metrics-port", "-1")
+    try:
+        assert single.url, single.output
+        with tc.InferenceServerClient(single.url) as client:
+            expected = client.infer("tiny", triton_inputs(tc, request)).as_numpy("scores")
+    finally:
+        assert single.stop() == 0, single.output
+    proc = ServeProcess("--model", "tiny", "--workers", "4", "--grpc-port", "0", "--metrics-port", "0")
+    try:
+        assert proc.url, proc.output
+        pids = _pids(proc)
+        assert sorted(pids) == [0, 1, 2, 3, 4], proc.output
+        before = _served(proc)
+        for scores in _answers(proc.url, _http_url(proc), request):
+            np.testing.assert_array_equal(scores, expected)
+        gained = {i: n - before.get(i, 0.0) for i, n in _served(proc).items()}
+        assert sum(gained.values()) == CHANNELS + CHANNELS // 2, gained
+        assert len([n for n in gained.values() if n > 0]) >= 2, f"one front end took every connection: {gained}"
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=60) == 0, proc.output
+        assert all(_gone(pid) for pid in pids.values())
+        assert "worker 0] sixfold-serve: stopped" in proc.output
+    finally:
+        proc.kill()
+
+
+def _own_connection(url: str) -> tc.InferenceServerClient:
+    """A client with a TCP connection of its own (gRPC shares one among a process's open channels to a target)."""
+    return tc.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_requests_from_different_front_ends_meet_in_one_batch():
+    # a long batching window, and no early dispatch: whatever arrives within it is one batch
+    proc = ServeProcess("--model", "tiny", "--workers", "2", "--grpc-port", "0", "--metrics-port", "0",
+                        "--max-queue-delay-us", "600000", "--no-all-in-dispatch", "--default-timeout-us", "30000000")
+    clients = []
+    try:
+        assert proc.url, proc.output
+        request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=6).make(1)
+        count = 16
+        clients = [_own_connection(proc.url) for _ in range(count)]
+        for client in clients:  # connected (each its own channel, so its own front end) before the burst
+            assert client.is_server_ready()
+        with tc.InferenceServerClient(proc.url) as client:
+            stats = client.get_inference_statistics("tiny").model_stats[0]
+        before = _served(proc)
+        barrier = threading.Barrier(count)
+        answers: list = [None] * count
+
+        def ask(i: int) -> None:
+            barrier.wait(timeout=30)
+            answers[i] = clients[i].infer("tiny", triton_inputs(tc, request), client_timeout=60).as_numpy("scores")
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        assert all(a is not None for a in answers)
+        with tc.InferenceServerClient(proc.url) as client:
+            after = client.get_inference_statistics("tiny").model_stats[0]
+        gained = {i: n - before.get(i, 0.0) for i, n in _served(proc).items()}
+        assert sum(gained.values()) == count and all(n > 0 for n in gained.values()), \
+            f"the burst did not reach both front ends: {gained}"
+        assert after.inference_count - stats.inference_count == count
+        assert after.execution_count - stats.execution_count == 1, "both front ends' requests: one batch"
+    finally:
+        for client in clients:
+            client.close()
+        proc.kill()
+
+
+def test_a_bad_request_gets_the_error_one_process_gives():
+    config = models.get_config("tiny")
+    good = models.RequestGenerator.for_config(config, seed=7).make(2)
+    wrong_dtype = {**good, "dense_features": good["dense_features"].astype(np.int32)}
+    missing = {k: v for k, v in good.items() if k != "sparse_indices"}
+    renamed = {("dense" if k == "dense_features" else k): v for k, v in good.items()}
+
+    def errors(proc: ServeProcess) -> list[str]:
+        seen = []
+        for module, url in ((tc, proc.url), (th, _http_url(proc))):
+            with module.InferenceServerClient(url) as client:
+                for model, request in (("nope", good), ("tiny", wrong_dtype), ("tiny", missing), ("tiny", renamed)):
+                    with pytest.raises(InferenceServerException) as refused:
+                        client.infer(model, triton_inputs(module, request))
+                    seen.append(f"{refused.value.status()} {refused.value.message()}")
+        return seen
+
+    expected = []
+    for workers in ("1", "2"):
+        proc = ServeProcess("--model", "tiny", "--workers", workers, "--grpc-port", "0", "--metrics-port", "-1")
+        try:
+            assert proc.url, proc.output
+            seen = errors(proc)
+        finally:
+            assert proc.stop() == 0, proc.output
+        if not expected:
+            expected = seen
+    assert seen == expected
+    assert any("dense_features" in e for e in expected) and any("nope" in e for e in expected)
+
+
+def test_a_killed_front_end_fails_its_clients_fast_and_is_restarted():
+    proc = ServeProcess("--model", "tiny", "--workers", "2", "--grpc-port", "0", "--metrics-port", "0",
+                        "--max-queue-delay-us", "2000000", "--no-all-in-dispatch", "--default-timeout-us", "30000000")
+    clients = []
+    try:
+        assert proc.url, proc.output
+        pids = _pids(proc)
+        folder = Path(re.search(r"run folder (\S+)", proc.output).group(1))
+        request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=8).make(1)
+        clients = [_own_connection(proc.url) for _ in range(CHANNELS)]
+        for client in clients:
+            assert client.is_server_ready()
+        outcomes: list = [None] * len(clients)
+
+        def ask(i: int) -> None:
+            started = time.monotonic()
+            try:
+                clients[i].infer("tiny", triton_inputs(tc, request), client_timeout=60)
+                outcomes[i] = ("ok", time.monotonic() - started)
+            except InferenceServerException as exc:
+                outcomes[i] = (str(exc.status()), time.monotonic() - started)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # every request waits in the engine's 2 s batching window
+        os.kill(pids[1], signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=30)
+        assert all(o is not None for o in outcomes), "a client hung"
+        failed = [o for o in outcomes if o[0] != "ok"]
+        assert failed and all(o[0] == "StatusCode.UNAVAILABLE" and o[1] < 10 for o in failed), outcomes
+        assert len(failed) < len(outcomes), "the other front end's clients are answered"
+        assert _wait_for(lambda: "front end 1 (pid" in proc.output and "restarted as pid" in proc.output), proc.output
+        assert proc.proc.poll() is None
+        fresh = _pids_after_restart(proc)
+        assert fresh != pids[1] and not _gone(fresh)
+        assert _wait_for(lambda: len(list(folder.glob("frontend-1-*.in"))) == 1, 10), "the dead one's arena stays"
+        for scores in _answers(proc.url, _http_url(proc), request):
+            assert scores.shape == (1, 1)
+        assert all(n > 0 for n in _served(proc, exact=False).values())
+    finally:
+        for client in clients:
+            client.close()
+        proc.kill()
+
+
+def _pids_after_restart(proc: ServeProcess) -> int:
+    return int(re.findall(r"restarted as pid (\d+)", proc.output)[-1])
+
+
+def test_a_shared_memory_region_registered_through_one_front_end_is_known_to_all(two_workers):
     proc = two_workers
     request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=4).make(3)
     with tc.InferenceServerClient(proc.url) as client:
@@ -131,7 +291,7 @@ def test_a_shared_memory_region_registered_through_one_worker_is_known_to_all(tw
                 with pytest.raises(InferenceServerException, match="query"):
                     client.infer("tiny", by_region())
         http_url = re.search(r"share \S+ \(gRPC\) and (\S+) \(REST\)", proc.output).group(1)
-        with th.InferenceServerClient(http_url) as client:  # REST tells the siblings too
+        with th.InferenceServerClient(http_url) as client:  # REST registers it in the engine too
             client.register_system_shared_memory("query", key, nbytes)
         for _ in range(CHANNELS // 2):
             with tc.InferenceServerClient(proc.url) as client:
@@ -145,7 +305,7 @@ def test_a_shared_memory_region_registered_through_one_worker_is_known_to_all(tw
         shm.destroy_shared_memory_region(handle)
 
 
-def test_loadgen_channels_reach_every_worker(two_workers, tmp_path):
+def test_loadgen_channels_reach_every_front_end(two_workers, tmp_path):
     proc = two_workers
     before = _served(proc)
     loadgen = Path(sys.executable).parent / "sixfold-loadgen"
@@ -156,8 +316,8 @@ def test_loadgen_channels_reach_every_worker(two_workers, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["requests"]["errors"] == 0 and report["requests"]["ok"] == report["requests"]["sent"] > 0
     gained = {i: n - before.get(i, 0.0) for i, n in _served(proc).items()}
-    assert sorted(gained) == ["0", "1"]
-    assert all(n > 0 for n in gained.values()), f"{CHANNELS} channels reached one worker only: {gained}"
+    assert sorted(gained) == ["1", "2"]
+    assert all(n > 0 for n in gained.values()), f"{CHANNELS} channels reached one front end only: {gained}"
 
 
 def test_the_one_metrics_page_keeps_the_servers_bearer_token():
@@ -172,18 +332,18 @@ def test_the_one_metrics_page_keeps_the_servers_bearer_token():
         scrape = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
                                         headers={"Authorization": "Bearer m3trics"})
         page = urllib.request.urlopen(scrape, timeout=10).read().decode()
-        assert 'worker="0"' in page and 'worker="1"' in page
+        assert 'worker="0"' in page and 'worker="1"' in page and 'worker="2"' in page
     finally:
         assert proc.stop() == 0, proc.output
 
 
-def test_a_worker_that_dies_stops_the_whole_server(two_workers):
+def test_an_engine_that_dies_stops_the_whole_server(two_workers):
     proc = two_workers
-    workers = _workers(proc)
-    os.kill(workers[1], signal.SIGKILL)
+    pids = _pids(proc)
+    os.kill(pids[0], signal.SIGKILL)
     assert proc.proc.wait(timeout=60) == 1
-    assert "worker 1" in proc.output and "exited with code -9; stopping the others" in proc.output
-    assert _gone(workers[0])
+    assert "the engine (pid" in proc.output and "exited with code -9; stopping the front ends" in proc.output
+    assert _wait_for(lambda: _gone(pids[1]) and _gone(pids[2]), 30)
 
 
 def _workers_of(supervisor: int) -> list[int]:
@@ -226,7 +386,7 @@ def test_a_signal_while_starting_stops_cleanly_and_workers_follow_a_killed_super
     try:
         assert serving.url, serving.output
         workers = _workers_of(serving.pid)
-        assert len(workers) == 2
+        assert len(workers) == 3  # the engine and two front ends
         run_folders = list(Path("/dev/shm").glob(f"sixfold-workers-{serving.pid}-*"))
         assert len(run_folders) == 1, "the run folder is named by its supervisor"
         serving.proc.kill()  # SIGKILL: the supervisor cannot pass anything on; the workers follow it out
@@ -247,13 +407,25 @@ def repository(tmp_path_factory):
     root = tmp_path_factory.mktemp("repo")
     _, partitioned = partition_builtin("rm1", max_rows=300, seed=0, cards=2)
     write_artifacts(partitioned, root / "alpha" / "1")
-    return root
+    changed = tmp_path_factory.mktemp("changed")
+    shutil.copytree(root / "alpha" / "1", changed / "1")
+    rng = np.random.default_rng(1)
+    for path in sorted((changed / "1" / "tables").glob("table_*.npy"))[:3]:
+        table = np.load(path)
+        table[rng.choice(table.shape[0], 30, replace=False)] += 1.0
+        np.save(path, table)
+    plan = json.loads((changed / "1" / "plan.json").read_text())
+    plan["tables"]["checksums"] = table_checksums(changed / "1" / "tables")
+    (changed / "1" / "plan.json").write_text(json.dumps(plan))
+    make_delta(root / "alpha" / "1", changed / "1", changed / "delta")
+    return root, changed / "delta"
 
 
-def test_model_control_reaches_every_worker_and_deltas_are_refused(repository):
-    proc = ServeProcess("--model-repository", str(repository), "--model-control-mode", "explicit",
-                        "--control-token", "s3cret", "--cards", "2", "--workers", "2", "--grpc-port", "0",
-                        "--metrics-port", "-1")
+def test_model_control_and_a_delta_reach_every_front_end_of_four(repository):
+    root, delta = repository
+    proc = ServeProcess("--model-repository", str(root), "--model-control-mode", "explicit",
+                        "--control-token", "s3cret", "--cards", "2", "--workers", "4", "--grpc-port", "0",
+                        "--metrics-port", "0")
     token = {"authorization": "Bearer s3cret"}
     try:
         assert proc.url, proc.output
@@ -266,10 +438,23 @@ def test_model_control_reaches_every_worker_and_deltas_are_refused(repository):
                 assert client.is_model_ready("alpha")
                 assert client.infer("alpha", triton_inputs(tc, request)).as_numpy("scores").shape == (4, 1)
         with tc.InferenceServerClient(proc.url) as client:
-            with pytest.raises(InferenceServerException, match="--workers 1") as refused:
-                client.load_model("alpha", headers=token, config=json.dumps(
-                    {"parameters": {"sixfold.delta_rollback": {"string_value": "true"}}}))
-            assert "FAILED_PRECONDITION" in str(refused.value.status())
+            before = client.infer("alpha", triton_inputs(tc, request)).as_numpy("scores")
+        assert apply_delta(proc.url, "alpha", delta, token="s3cret") == "1"
+        after = []
+        for _ in range(CHANNELS):  # every front end asks the one engine, which holds the one copy of the tables
+            with tc.InferenceServerClient(proc.url) as client:
+                after.append(client.infer("alpha", triton_inputs(tc, request)).as_numpy("scores"))
+        assert not np.array_equal(after[0], before), "the delta changed no answer"
+        for scores in after[1:]:
+            np.testing.assert_array_equal(scores, after[0])
+        served = _served(proc, "alpha")
+        assert sorted(served) == ["1", "2", "3", "4"] and all(n > 0 for n in served.values()), served
+        assert rollback_delta(proc.url, "alpha", token="s3cret") == "0"
+        for _ in range(CHANNELS // 2):
+            with tc.InferenceServerClient(proc.url) as client:
+                np.testing.assert_array_equal(client.infer("alpha", triton_inputs(tc, request)).as_numpy("scores"),
+                                              before)
+        with tc.InferenceServerClient(proc.url) as client:
             client.unload_model("alpha", headers=token)
         for _ in range(CHANNELS):
             with tc.InferenceServerClient(proc.url) as client:
@@ -278,11 +463,7 @@ def test_model_control_reaches_every_worker_and_deltas_are_refused(repository):
         assert proc.stop() == 0, proc.output
 
 
-def test_workers_refuse_what_they_cannot_share_and_one_server_refuses_a_busy_port(repository, tmp_path):
-    result = subprocess.run([str(SERVE), "--model-repository", str(repository), "--workers", "2",
-                             "--watch-deltas", str(tmp_path), "--grpc-port", "0"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--watch-deltas needs --workers 1" in result.stderr
+def test_a_bad_worker_count_and_a_busy_port_are_refused():
     result = subprocess.run([str(SERVE), "--model", "tiny", "--workers", "0"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "--workers must be >= 1" in result.stderr
