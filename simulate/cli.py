@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
         plat.add_argument("--host-spec", default=None,
                           help="host spec name or JSON file (default auto: this machine, calibrated on first "
                                "use and cached; host-cpu is a generic server host)")
+        plat.add_argument("--cpu-host", action="store_true",
+                          help="price sixfold-serve's cpu layout (its default with no accelerator): the dense part on "
+                               "one lane per usable core of this host, each priced as one core calibrated here; "
+                               "cards default to the usable cores, and no --card-spec (docs/simulate.md)")
         plat.add_argument("--host-memory-gib", type=float, default=None,
                           help="host DRAM to plan with, GiB (default: the host spec's)")
         plat.add_argument("--max-rows", type=int, default=None,
@@ -184,6 +188,31 @@ def _traffics(args: argparse.Namespace) -> list[Traffic]:
     arrivals = args.arrival or ["poisson"]
     sizes = args.query_size or ["mlperf"]
     return [parse_traffic(a, s) for a, s in itertools.product(arrivals, sizes)]
+
+
+def _cpu_host(args: argparse.Namespace, argv: list[str]) -> None:
+    """--cpu-host: sixfold-serve's cpu layout (``sixfold.backends.cpu_layout``) as this command's cards and settings.
+
+    Lanes take batches of any size (no --max-card-batch-rows), as served. sixfold-serve measures where a split
+    across cores pays and prints it; here a batch is split only from --min-split-rows when that flag is given.
+    """
+    from sixfold.backends.cpu_layout import cpu_layout, core_spec_path
+
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(f"{flag}=") for a in argv)
+
+    if args.card_spec:
+        raise ValueError(f"--cpu-host prices this host's cores; --card-spec {args.card_spec[0]} names cards: give one "
+                         "or the other")
+    layout = cpu_layout()
+    args.card_spec = [str(core_spec_path())]
+    if args.command == "capacity":
+        args.max_cards = args.max_cards if given("--max-cards") else layout.cards
+    elif not given("--cards"):
+        args.cards = str(layout.cards)
+    args.max_card_batch_rows = 0
+    if not given("--min-split-rows"):
+        args.min_split_rows = 0
 
 
 def _host_spec(args: argparse.Namespace) -> str:
@@ -338,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_output_file(path, flag)
         if args.plot:
             Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        if args.cpu_host:
+            _cpu_host(args, sys.argv[1:] if argv is None else argv)
         settings = serving_settings(args)
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
