@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from sixfold.backends.api import Arrays, Backend, BackendError, Executable, PartitionArtifact
+from sixfold.backends.api import Arrays, Backend, BackendError, CardRef, Executable, PartitionArtifact
 from sixfold.backends.spec import DeviceSpec
 from sixfold.partitioner.plan import PartitionPlan
 
@@ -29,6 +29,12 @@ def _card(plan: PartitionPlan, device_id: str) -> DeviceSpec:
     # Each card is its own device (memory budget, queue), even when all share one spec.
     spec = plan.device(device_id).spec
     return dataclasses.replace(spec, name=f"{spec.name}/{device_id}")
+
+
+def _card_ref(plan: PartitionPlan, device_id: str) -> CardRef | None:
+    """The physical card a load is for (Backend API 1.3), from the plan's device id ``cardK``."""
+    index, spec = device_id.removeprefix("card"), plan.device(device_id).spec.name
+    return CardRef(int(index), spec) if index.isdigit() and spec and "/" not in spec else None
 
 
 class PipelineExecutable(Executable):
@@ -145,7 +151,9 @@ def load_dense(plan: PartitionPlan, artifact_for: Callable[[str], PartitionArtif
         loaded: list[Executable] = []
         try:
             for partition, device in lanes[i]:
-                loaded.append(card_backend.load(artifacts[partition], _card(plan, device)))
+                card = _card_ref(plan, device)
+                artifact = artifacts[partition] if card is None else artifacts[partition].for_card(card)
+                loaded.append(card_backend.load(artifact, _card(plan, device)))
         except BaseException:
             for executable in loaded:
                 executable.close()

@@ -45,6 +45,8 @@ packages = ["fp32_card"]
 
 MODULE = f'''
 """A card whose compiler takes fp32 graphs only; it computes with ONNX Runtime."""
+import os
+
 from sixfold.backends import OnnxRuntimeBackend, PartitionArtifact
 
 
@@ -54,6 +56,14 @@ class Fp32CardBackend(OnnxRuntimeBackend):
 
     def supports(self, artifact: PartitionArtifact) -> bool:
         return artifact.dtype == "fp32" and super().supports(artifact)
+
+    def load(self, artifact, device):
+        if os.environ.get("FP32_CARD_LOADS"):  # which physical card each load is for (Backend API 1.3)
+            card = artifact.card
+            with open(os.environ["FP32_CARD_LOADS"], "a") as f:
+                f.write(f"{{artifact.name}} {{card.index if card else None}} {{card.spec if card else None}} "
+                        f"{{device.name}}\\n")
+        return super().load(artifact, device)
 '''
 
 
@@ -105,14 +115,17 @@ def _scores(*args: str, env: dict[str, str], request: dict[str, np.ndarray]) -> 
         serve.kill()
 
 
-def test_sixfold_serve_runs_it_with_the_default_backends_answers(installed: Path) -> None:
+def test_sixfold_serve_runs_it_with_the_default_backends_answers(installed: Path, tmp_path: Path) -> None:
     request = models.RequestGenerator.for_config(models.get_config("rm2", max_rows=500), seed=5).make(7)
-    env = _env(installed)
+    loads = tmp_path / "loads.txt"
+    env = {**_env(installed), "FP32_CARD_LOADS": str(loads)}
     ours, log = _scores("--backend", NAME, env=env, request=request)
     default, default_log = _scores(env=env, request=request)
     assert f"2 {NAME} cards" in log and f"2 {NAME} cards" not in default_log
     assert ours.shape == (7, 1) and ((ours > 0) & (ours < 1)).all()
     np.testing.assert_allclose(ours, default, rtol=0, atol=1e-6)
+    # Each load named its physical card (index and spec), the device given to load named SPEC/cardK.
+    assert sorted(loads.read_text().splitlines()) == ["dense 0 m2-card m2-card/card0", "dense 1 m2-card m2-card/card1"]
 
 
 def test_sixfold_serve_refuses_an_fp16_plan_on_it_naming_the_backend(installed: Path) -> None:
