@@ -228,7 +228,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="read --metrics-token from the first line of PATH (kept out of the process list)")
     cards = p.add_argument_group("cards and placement")
     cards.add_argument("--cards", type=int, default=None,
-                       help="accelerator cards (default 6; with --model-repository, each version is served on its "
+                       help="accelerator cards (default: one cpu lane per usable core with --backend auto and no "
+                            "accelerator, else 6; given with auto, emulated simcards; with --model-repository, each "
+                            "version is served on its "
                             "plan's cards, and a count or --card-spec that differs from them is refused)")
     cards.add_argument("--backend", default="auto",
                        help="card backend (see --list-backends), or a layout: auto (the default) picks a plug-in "
