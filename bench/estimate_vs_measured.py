@@ -20,6 +20,11 @@ sees it: on this host a dense batch between two host batches evicts the host's h
 from the shared caches and slows the next host batch by ~1.5x, a contention a real card's own
 memory does not cause and the cost model does not price.
 
+Besides the zoo, ``onehot-wrapper`` is the one-hot DLRM wrapper of docs/bring-your-own-model.md
+(step 6), exported to .pt2 from the page's own code: a host stage of index arithmetic that torch
+runs op by op (issue 31: priced at a quarter of its time before per-op host pricing). At the end
+the host stage's measured / estimate ratio is printed per model (the goal there: within 2x).
+
     .venv/bin/python bench/estimate_vs_measured.py [--models ...] [--rounds N] [--runs N] [--quick] [--no-write]
 """
 
@@ -46,7 +51,7 @@ from sixfold.backends.host.calibrate import calibrate_host  # noqa: E402
 from sixfold.backends.spec import DeviceSpec
 from sixfold.backends.spec_catalog import load_spec  # noqa: E402
 from sixfold.models import RequestGenerator  # noqa: E402
-from sixfold.partitioner.compile import partition_builtin
+from sixfold.partitioner.compile import partition_builtin, partition_file  # noqa: E402
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION  # noqa: E402
 from bench.harness.report import publish  # noqa: E402
 from sixfold.server.memory.allocator import keep_freed_memory  # noqa: E402
@@ -54,8 +59,44 @@ from sixfold.server.loading.loader import load_host_stage  # noqa: E402
 
 SECTION = "estimate-vs-measured"
 COMMAND = ".venv/bin/python bench/estimate_vs_measured.py"
-MODELS = ("rm1", "rm2", "rm3", "dlrm-mlperf", "dcnv2-mlperf")
+MODELS = ("rm1", "rm2", "rm3", "dlrm-mlperf", "dcnv2-mlperf", "onehot-wrapper")
 GOAL = 0.25
+HOST_GOAL = 2.0
+"""Per-op host pricing's goal: each host stage's measured / estimate within 2x (issue 31)."""
+DOC = ROOT / "docs" / "bring-your-own-model.md"
+
+
+def user_model(name: str, folder: Path) -> Path | None:
+    """The .pt2 of a model from docs/bring-your-own-model.md (run from the page's own code), or None if not one."""
+    if name != "onehot-wrapper":
+        return None
+    import re
+    code = dict(re.findall(r"<!-- example: ([\w-]+) -->\n```\w+\n(.*?)```", DOC.read_text(), re.S))["onehot"]
+    folder.mkdir(parents=True, exist_ok=True)
+    here = os.getcwd()
+    try:
+        os.chdir(folder)
+        exec(compile(code, f"{DOC.name}:example:onehot", "exec"), {})  # noqa: S102 - the page's code
+    finally:
+        os.chdir(here)
+    return folder / "onehot.pt2"
+
+
+def _partition(name: str, spec_host: DeviceSpec, spec_card: DeviceSpec, max_rows: int, batch_rows: int,
+               compile: bool = True):
+    """(RequestGenerator-like ``make``, PartitionedModel) of a zoo model or a page's user model."""
+    path = USER_PATHS.get(name)
+    if path is None:
+        model, partitioned = partition_builtin(name, max_rows=max_rows, cards=1, card_spec=spec_card,
+                                               host_spec=spec_host, batch_rows=batch_rows, compile=compile)
+        return RequestGenerator.for_config(model.config, seed=7).make, partitioned
+    from sixfold.partitioner.precision.accuracy import plan_requests
+    partitioned = partition_file(str(path), cards=1, card_spec=spec_card, host_spec=spec_host,
+                                 batch_rows=batch_rows, compile=compile)
+    return plan_requests(partitioned.plan, 7).make, partitioned
+
+
+USER_PATHS: dict[str, Path] = {}
 
 
 @dataclass
@@ -73,15 +114,13 @@ class Stages:
 
 def load_stages(name: str, spec: DeviceSpec, max_rows: int, batch_rows: int, batches: int) -> Stages:
     """Partition ``name`` (with the ONNX export) for ``spec`` and load both stages as the server would."""
-    model, partitioned = partition_builtin(name, max_rows=max_rows, cards=1, card_spec=spec, host_spec=spec,
-                                           batch_rows=batch_rows)
+    make, partitioned = _partition(name, spec, spec, max_rows, batch_rows)
     plan = partitioned.plan
     host_art = partitioned.artifacts[HOST_PARTITION]
     host_exe = load_host_stage(partitioned, spec)
     ort = registry.get_backend("onnxruntime", intra_op_threads=1, inter_op_threads=1)
     dense_exe = ort.load(partitioned.artifact_for(DENSE_PARTITION, ort), spec)
-    gen = RequestGenerator.for_config(model.config, seed=7)
-    requests = [gen.make(plan.estimates.batch_rows) for _ in range(batches)]
+    requests = [make(plan.estimates.batch_rows) for _ in range(batches)]
     feeds = [{**r, **host_exe.run(r)} for r in requests]
     dense, host = plan.partition(DENSE_PARTITION), plan.partition(HOST_PARTITION)
     notes = {"host (sparse)": f"{host.bytes_per_item / 1e3:.1f} kB/item",
@@ -91,8 +130,7 @@ def load_stages(name: str, spec: DeviceSpec, max_rows: int, batch_rows: int, bat
 
 def estimate(name: str, host: DeviceSpec, card: DeviceSpec, max_rows: int, batch_rows: int) -> dict[str, float]:
     """The plan's per-batch seconds of each stage on these specs."""
-    _, partitioned = partition_builtin(name, max_rows=max_rows, cards=1, card_spec=card, host_spec=host,
-                                       batch_rows=batch_rows, compile=False)
+    _, partitioned = _partition(name, host, card, max_rows, batch_rows, compile=False)
     per_device = {d.device: d.batch_seconds for d in partitioned.plan.estimates.per_device}
     return {"host (sparse)": per_device["host"], "card (dense)": per_device["card0"]}
 
@@ -167,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("SIXFOLD_BENCH_DEFAULT_MALLOC"):
         keep_freed_memory()  # as sixfold-serve does first: stages are timed as the server runs them
     t0 = time.perf_counter()
+    import tempfile
+    scratch = tempfile.TemporaryDirectory(prefix="estimate_vs_measured_")
+    for name in args.models:
+        path = user_model(name, Path(scratch.name) / name)
+        if path is not None:
+            USER_PATHS[name] = path
     stages = {}
     for name in args.models:
         stages[name] = load_stages(name, load_spec("host-cpu"), args.max_rows, args.batch_rows, args.batches)
@@ -192,9 +236,24 @@ def main(argv: list[str] | None = None) -> int:
     for st in stages.values():
         st.host_exe.close()
         st.dense_exe.close()
+    scratch.cleanup()
     text = format_section(results, specs, argv, time.perf_counter() - t0, args)
     publish(SECTION, text, write=not args.no_write)
+    print(host_ratios(results))
     return 0
+
+
+def host_ratios(results: dict) -> str:
+    """One line per model: the host stage's estimate, measured time and their ratio (goal: within 2x)."""
+    lines = [f"host stage, measured / estimate (goal: within {HOST_GOAL:g}x):"]
+    for name, r in results.items():
+        rounds = r["stages"]["host (sparse)"]
+        est, got = statistics.median(e for e, _, _ in rounds), statistics.median(g for _, g, _ in rounds)
+        ratio = got / est if est > 0 else float("inf")
+        ok = "yes" if 1 / HOST_GOAL <= ratio <= HOST_GOAL else "NO"
+        lines.append(f"  {name:16s} estimate {est * 1e3:8.3f} ms  measured {got * 1e3:8.3f} ms  ratio {ratio:6.2f}  "
+                     f"within {HOST_GOAL:g}x: {ok}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

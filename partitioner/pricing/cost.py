@@ -9,6 +9,11 @@ calibrated spec (``DeviceSpec.calibrated``): matrix products by the efficiency
 of their size, gathers by ids and row bytes, everything else by the bytes it
 moves, each op plus a fixed launch cost. Specs without calibrated figures keep
 the one-roofline price, which is also what the simulated card charges.
+
+A host stage (a graph holding a lookup) runs eagerly, op by op through torch's
+dispatcher, so its views and shape reads cost a launch too (kind "dispatch"):
+index arithmetic of a few hundred ids is all fixed costs, and an index-heavy host
+stage priced without them was estimated at a quarter of its time or less.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sixfold.backends.spec import DeviceSpec
 
+from sixfold.models.signature import INDICES, LENGTHS
 from sixfold.partitioner.cut.sparse_dense import is_embedding_lookup
 
 __all__ = ["PartitionCost", "OpCost", "module_param_bytes", "flops_per_item", "lookup_bytes_per_id",
@@ -39,7 +45,8 @@ class OpCost:
 
     name: str
     kind: str
-    """"matmul" (counted FLOPs), "gather" (random rows by index) or "memory" (bytes moved)."""
+    """"matmul" (counted FLOPs), "gather" (random rows by index), "index" (element-wise indices),
+    "memory" (bytes moved) or "dispatch" (a view or shape read: its launch only)."""
     flops: tuple[float, float] = (0.0, 0.0)
     products: tuple[float, float] = (1.0, 0.0)
     """Matrix products per call: 1 for a GEMM, the batch for a batched matmul."""
@@ -121,7 +128,7 @@ def op_seconds(device: DeviceSpec, op: OpCost, rows: int, dtype: str = "fp32") -
         seconds = max(device.matmul_seconds(flops, product, dtype), moved) if flops > 0 else moved
     elif op.kind == "gather":
         seconds = device.gather_seconds(OpCost.at(op.ids, rows), op.row_bytes) + moved
-    elif op.kind == "index":
+    elif op.kind in ("index", "memory"):  # a memory op's ids: its output elements, counted in host stages only
         seconds = device.index_seconds(OpCost.at(op.ids, rows)) + moved
     else:
         seconds = moved
@@ -235,6 +242,8 @@ class _OpMeter(fx.Interpreter):
         super().__init__(gm)
         self.counter = counter
         self.seen: dict[str, _Seen] = {}
+        self.views: dict[str, _Seen] = {}
+        self.elements: dict[str, float] = {}
 
     def run_node(self, n: fx.Node) -> object:
         if n.op not in ("call_function", "call_method", "call_module"):
@@ -246,6 +255,9 @@ class _OpMeter(fx.Interpreter):
         name, outputs = _op_name(n), _tensors(out)
         if flops or (name not in _FREE and outputs):  # no tensor out: a guard or an assertion
             self.seen[n.name] = _seen(name, args, _tensors((args, kwargs)), outputs, flops)
+            self.elements[n.name] = float(sum(t.numel() for t in outputs))
+        elif isinstance(n.target, torch._ops.OpOverload) and not name.startswith("_assert"):
+            self.views[n.name] = _Seen("dispatch")  # a view or a shape read: free data, not a free call
         return out
 
 
@@ -260,12 +272,37 @@ def _fused(gm: fx.GraphModule, seen: dict[str, _Seen]) -> set[str]:
     return fused
 
 
+def _table_batched_shape(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` has the shape of a table-batched host stage (the zoo's): it reads only the lengths and
+    the ids, returns one tensor and holds one table. Such a stage is written as table files and served by
+    the native tables backend (``partitioner.tables.probe.table_batched`` checks it at write time), which
+    runs no graph ops, so its ops are priced as they were before per-op host pricing."""
+    inputs = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    weights = {id(t): t for t in [*gm.parameters(), *gm.buffers()] if t.dim() == 2 and t.is_floating_point()}
+    returned = len(output) if isinstance(output, (tuple, list)) else 1
+    return inputs == [LENGTHS, INDICES] and returned == 1 and len(weights) == 1
+
+
 def _meter(gm: fx.GraphModule, args: Sequence[torch.Tensor]) -> dict[str, _Seen]:
+    """What each op computes and moves; in a host stage (it holds a lookup) its views and shape reads too."""
     counter = FlopCounterMode(display=False)
     meter = _OpMeter(gm, counter)
     with counter, torch.inference_mode():
         meter.run(*args)
-    return meter.seen
+    if not any(is_embedding_lookup(node) for node in gm.graph.nodes) or _table_batched_shape(gm):
+        return meter.seen
+    # Eager, op by op: small element-wise ops cost per element written (``per_index_seconds``), far
+    # beyond the bytes they move, and views and shape reads cost their launch.
+    seen = {name: _Seen("memory", bytes=op.bytes, ids=meter.elements[name]) if op.kind == "memory" else op
+            for name, op in meter.seen.items()}
+    # Each input and output crosses between numpy and torch at the stage's edge: a launch each.
+    edges = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            returned = node.args[0]
+            edges += [f"output.{i}" for i in range(len(returned) if isinstance(returned, (tuple, list)) else 1)]
+    return {**seen, **meter.views, **{f"edge:{e}": _Seen("dispatch") for e in edges}}
 
 
 def op_profile(gm: fx.GraphModule, small: Sequence[torch.Tensor], small_rows: int,
@@ -273,7 +310,8 @@ def op_profile(gm: fx.GraphModule, small: Sequence[torch.Tensor], small_rows: in
     """The ops of ``gm`` with what each computes and moves, linear in the batch rows.
 
     ``small``/``large`` are ``gm``'s positional inputs for batches of
-    ``small_rows``/``large_rows`` rows. Views are free; an activation fed only
+    ``small_rows``/``large_rows`` rows. Views are free (in a host stage, which
+    torch runs op by op, they cost their launch: kind "dispatch"); an activation fed only
     by a matmul is folded into it.
     """
     if large_rows <= small_rows:

@@ -187,6 +187,12 @@ def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, De
     host = registry.get_backend(_HOST_BACKENDS[host_art.format]).load(host_art, spec)
     ort = registry.get_backend("onnxruntime", intra_op_threads=1, inter_op_threads=1)
     dense = {name: ort.load(partitioned.artifact_for(name, ort), spec) for name in plan.dense_stages()}
+    import torch
+    threads = torch.get_num_threads()
+    # NOTE: one thread, as the spec was calibrated (threads=1) and as the dense stage runs: torch's own
+    # pool of every core spins against the other processes of a busy host (the one-hot DLRM wrapper's
+    # host stage measured 55-74x its estimate so on a 2-core VM under load, 1.5-2x with one thread).
+    torch.set_num_threads(1)
     try:
         measured = {HOST_PARTITION: _time(host.run, requests, runs)}
         feeds = [{**r, **host.run(r)} for r in requests]
@@ -194,6 +200,7 @@ def measure_plan(partitioned: PartitionedModel, replan: Callable[[DeviceSpec, De
             measured[name] = _time(exe.run, feeds, runs)
             feeds = [{**f, **exe.run(f)} for f in feeds]
     finally:
+        torch.set_num_threads(threads)
         host.close()
         for exe in dense.values():
             exe.close()
