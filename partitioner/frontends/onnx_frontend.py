@@ -756,6 +756,7 @@ def cut_onnx(model: onnx.ModelProto, *, pooling: int | None = None, where: str =
         log.info("%s: %d EmbeddingBag Loop(s) vectorised into host lookups (%s)", where, len(bags),
                  ", ".join(sorted({b.mode for b in bags})))
     _warn_off_card(dense, where)
+    _warn_slow_index_arithmetic(host, {r: {n: feeds[r][n] for n in cut.host_inputs} for r in _OBSERVE_ROWS}, where)
 
     small, large = _OBSERVE_ROWS
     flops = (_matmul_flops(graph, cut.dense_nodes, observed[large])
@@ -826,6 +827,47 @@ def _warn_off_card(dense: onnx.ModelProto, where: str) -> list[str]:
         log.warning("%s: the dense partition uses ops outside the card op set (backends/conformance/dense_ops.json): "
                     "%s", where, off)
     return off
+
+
+_REPEAT_ADVICE = ("repeat_interleave in the index arithmetic exports to this (dynamo: a [bags x ids] comparison; "
+                  "legacy: a Loop) and runs 10-27x slower at hundreds of items; find each id's bag with a cumulative "
+                  "sum of ones at each bag's start instead: starts = cumsum(lengths) - lengths; marks = zeros(ids + 1)"
+                  ".scatter_add(0, starts, ones_like(starts)); bag_of_id = cumsum(marks[:ids]) - 1 "
+                  "(docs/bring-your-own-model.md, step 8)")
+
+
+def _warn_slow_index_arithmetic(host: onnx.ModelProto, feeds: dict[int, dict[str, np.ndarray]],
+                                where: str) -> list[str]:
+    """Warn, naming them, about host nodes that grow with the square of the request (a [bags x ids] comparison)
+    or loop over it (a Loop or Scan left after the EmbeddingBag rewrite): the shapes ``repeat_interleave`` exports to.
+
+    ``feeds``: the host inputs at the two observed sizes. Returns the names of the nodes warned about.
+    """
+    loops = [n.name for n in host.graph.node if n.op_type in CONTROL_FLOW_OPS]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(host)
+    have = {o.name for o in probe.graph.output}
+    for node in probe.graph.node:
+        probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in node.output if t and t not in have)
+        have.update(t for t in node.output if t)
+    small, large = sorted(feeds)
+    try:
+        session = _session(probe, quiet=True)
+        names = [o.name for o in session.get_outputs()]
+        sizes = {rows: dict(zip(names, (np.asarray(a).size for a in session.run(names, feeds[rows]))))
+                 for rows in (small, large)}
+    except Exception:  # noqa: BLE001 - a graph whose intermediates cannot be outputs: the Loops alone are named
+        sizes = {small: {}, large: {}}
+    linear = large / small
+    square = [n.name for n in host.graph.node if any(
+        sizes[small].get(t, 0) > 0 and sizes[large].get(t, 0) > 2 * linear * sizes[small][t] for t in n.output)]
+    slow = list(dict.fromkeys(loops + square))
+    if slow:
+        kinds = sorted({n.op_type for n in host.graph.node if n.name in slow})
+        log.warning("%s: the host stage has %s node(s) %s that %s: %s", where, "/".join(kinds), ", ".join(slow[:6]),
+                    "loop over the request or grow with its square" if loops and square else
+                    ("loop over the request" if loops else "grow with the square of the request"), _REPEAT_ADVICE)
+    return slow
 
 
 def _observed_layouts(runner: _Runner, observed: dict[int, dict[str, np.ndarray]], names: Sequence[str],
