@@ -24,6 +24,12 @@ each model:
                           partitions (``ops.dense_ops()``, fp32 and fp16) equals ONNX Runtime
 ========================  =========================================================================
 
+``--repository DIR`` checks every model version's dense partitions in a model
+repository instead (each pipeline stage, at its plan's precision:
+``sixfold.backends.conformance.repository``). Each result that compares answers
+carries the tolerance it used and the largest error it saw (``CheckResult.atol``,
+``CheckResult.max_error``).
+
 Every call into the backend runs under a timeout (``--timeout``, 10 s). The
 CLI prints a table and exits 1 on any failure (2 on a usage error). The
 Python API, ``run_conformance(name_or_instance, ...)``, returns a
@@ -33,11 +39,12 @@ Python API, ``run_conformance(name_or_instance, ...)``, returns a
 from sixfold.backends.conformance.cases import DEFAULT_MODELS, Case, builtin_case, builtin_cases, case_from_artifact
 from sixfold.backends.conformance.kit import CHECKS, CheckFailed, rows_per_item, run_conformance, run_conformance_async
 from sixfold.backends.conformance.ops import dense_ops, op_cases
+from sixfold.backends.conformance.repository import repository_cases
 from sixfold.backends.conformance.report import CheckResult, ConformanceReport
 
 __all__ = [
     "run_conformance", "run_conformance_async", "CHECKS", "CheckFailed",
     "ConformanceReport", "CheckResult",
     "Case", "case_from_artifact", "builtin_case", "builtin_cases", "DEFAULT_MODELS",
-    "rows_per_item", "dense_ops", "op_cases",
+    "rows_per_item", "dense_ops", "op_cases", "repository_cases",
 ]

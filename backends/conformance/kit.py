@@ -246,6 +246,11 @@ async def check_items(ctx: _Context) -> str:
     """
     exe = ctx.main
     assert exe is not None
+    art = ctx.case.artifact
+    whole = [n for n in (*art.input_names, *art.output_names) if n in art.layouts and not art.layouts[n].per_item]
+    if whole:  # as the server does: a batch is split only where every layout gives rows per item
+        return (f"not split: {', '.join(whole)} {'has' if len(whole) == 1 else 'have'} no fixed rows per item "
+                "(ragged or unknown layout); the server sends this partition whole batches only")
     k_in, k_out = rows_per_item(ctx.case)
     layout = ", ".join(f"{n} {k} row{'s' if k != 1 else ''}" for n, k in k_in.items())
     sizes = [s for s in ctx.case.batch_sizes if s >= 3]

@@ -81,3 +81,49 @@ def test_what_is_not_a_repository_is_named(tmp_path: Path, capsys) -> None:
     (tmp_path / "m" / "1" / "plan.json").write_text("{not json")
     assert main(["onnxruntime", "--repository", str(tmp_path)]) == 2
     assert f"{tmp_path / 'm' / '1' / 'plan.json'}: not a sixfold plan" in capsys.readouterr().err
+
+
+def _ragged_version(folder: Path, *, fmt: str = "onnx") -> None:
+    """A one-partition plan whose dense input has one row per id, counted by a lengths input (as a model whose
+    pooling follows the cut has): written by hand, with a real ONNX graph (rows * 2 + the ids' count)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["bag_rows", "two"], ["doubled"])], "ragged",
+        [helper.make_tensor_value_info("sparse_lengths", TensorProto.INT32, ["N", 3]),
+         helper.make_tensor_value_info("bag_rows", TensorProto.FLOAT, ["R", 4])],
+        [helper.make_tensor_value_info("doubled", TensorProto.FLOAT, ["R", 4])],
+        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    folder.mkdir(parents=True)
+    (folder / "dense.onnx").write_bytes(model.SerializeToString())
+    tensor = {"rows_per_item": None, "ragged_by": "sparse_lengths", "consumed": True, "passed_on": False}
+    plan = {"partitions": [{"name": "dense", "kind": "dense", "format": fmt, "artifact": "dense.onnx", "dtype": "fp32",
+                            "param_bytes": 4, "flops_per_item": 8.0, "bytes_per_item": 32.0,
+                            "inputs": [{"name": "sparse_lengths", "datatype": "INT32", "shape": [-1, 3],
+                                        "rows_per_item": 1},
+                                       {"name": "bag_rows", "datatype": "FP32", "shape": [-1, 4], **tensor}],
+                            "outputs": [{"name": "doubled", "datatype": "FP32", "shape": [-1, 4], **tensor}]}]}
+    (folder / "plan.json").write_text(json.dumps(plan))
+
+
+def test_ragged_inputs_are_sized_by_their_lengths(tmp_path: Path) -> None:
+    _ragged_version(tmp_path / "mine" / "3")
+    (case,) = repository_cases(tmp_path, max_batch=6)
+    assert case.name == "mine/3/dense@fp32" and case.artifact.layouts["bag_rows"].ragged_by == "sparse_lengths"
+    for rows in case.batch_sizes:
+        feed = case.feeds[rows]
+        assert feed["sparse_lengths"].shape == (rows, 3) and feed["sparse_lengths"].min() >= 0
+        assert feed["bag_rows"].shape == (int(feed["sparse_lengths"].sum()), 4)
+        np.testing.assert_array_equal(case.expected[rows]["doubled"], feed["bag_rows"] * 2)
+    report = run_conformance("onnxruntime", repository=tmp_path, max_batch=6)
+    assert report.passed, [(r.check, r.detail) for r in report.failures]
+    # As the server does, the kit never splits a batch on a ragged tensor: whole batches only.
+    assert report.result(case.name, "items").detail.startswith("not split: bag_rows, doubled have no fixed rows")
+
+
+def test_a_dense_partition_the_kit_cannot_compare_is_named(tmp_path: Path) -> None:
+    _ragged_version(tmp_path / "mine" / "1", fmt="torch-fx")
+    with pytest.raises(ValueError, match=r"mine/1/plan.json: dense partition\(s\) \['dense'\] are not ONNX"):
+        repository_cases(tmp_path)
