@@ -393,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
             check_spec(args.card_spec, "--card-spec")
             if args.out:
                 check_output_file(args.out, "--out")
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise UsageError(f"--out {args.out}: {os_error_text(exc)}") from None
 
         def run_card(rest: list[str]) -> int:
             if "--card" not in rest and "-h" not in rest and "--help" not in rest:

@@ -104,3 +104,11 @@ def test_without_a_base_spec_a_backend_reporting_no_devices_is_refused() -> None
 def test_mistakes_are_one_line_naming_the_flag(args: list[str], words: str) -> None:
     proc = _run("sixfold-partition", "calibrate", *args)
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_out_path_that_cannot_be_written_is_named_before_measuring(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "card.json"
+    proc = _run("sixfold-partition", "calibrate", "--card", "--backend", "onnxruntime", "--out", str(out))
+    assert proc.returncode == 2 and f"--out {out}: " in proc.stderr and "is a file, not a folder" in proc.stderr
+    assert "fp32:" not in proc.stderr  # refused before any measuring
