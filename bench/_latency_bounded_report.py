@@ -69,6 +69,11 @@ RATIOS = (("sixfold", BEST_TRITON), ("sixfold", "sixfold-simcard"), ("sixfold", 
           ("sixfold-shm", "sixfold"), ("fifo", "ideal"), ("sixfold", "fifo"), ("sixfold-shm", "fifo"))
 
 
+def _cards_flag(args: Any) -> str:
+    """`` --cards N`` when the bench gave sixfold a card count, else nothing (sixfold-serve's own layout)."""
+    return "" if args.cards is None else f" --cards {args.cards}"
+
+
 def best_triton(run: dict[str, Any], bound: float) -> tuple[float, float] | None:
     """The interval of the Triton configuration of ``run`` that served the most at ``bound`` (None: none ran)."""
     found = [i for i in (interval(_bound(run["servers"].get(name), bound)) for name in TRITONS) if i is not None]
@@ -264,8 +269,9 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f">= 90% of the rate answered. A bound below a server's idle {LARGEST_QUERY}-item latency (the p99 "
         f"query size; the fastest of {args.idle_repeats}) is not searched: no rate can meet it. "
         f"{args.runs} run(s); figures are the median run's, ratios medians of per-run ratios.",
-        f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve --cards {args.cards}{(' --workers ' + str(args.workers)) if args.workers > 1 else ''}{''.join(' ' + a for a in args.serve_arg)}` "
-        f"(simcard), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
+        f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve{_cards_flag(args)}{(' --workers ' + str(args.workers)) if args.workers > 1 else ''}{''.join(' ' + a for a in args.serve_arg)}` "
+        f"({'its own layout for this host' if args.cards is None else 'simcard'}; sixfold-simcard: "
+        f"`--backend simcard --cards 6`), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
         f"{args.mlserver_batch_time:g}` (adaptive batching; the runtime runs torch on 1 thread). Triton: "
