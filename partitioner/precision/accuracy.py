@@ -253,7 +253,8 @@ def print_accuracy(report: AccuracyReport, console: Any) -> None:
     from rich.table import Table
 
     table = Table(title=f"{report.model}: accuracy of {report.variant} vs {report.reference} "
-                        f"({report.items} synthetic items, labels ~ Bernoulli(p_fp32), seed {report.seed})")
+                        f"({report.items} synthetic items, labels ~ Bernoulli(p_fp32), seed {report.seed})"
+                        + (f"; the first rows are output {next(iter(report.heads))!r}" if report.heads else ""))
     table.add_column("metric")
     table.add_column("reference", justify="right")
     table.add_column("variant", justify="right")
