@@ -268,3 +268,16 @@ class Backend(ABC):
     @abstractmethod
     def load(self, artifact: PartitionArtifact, device: DeviceSpec) -> Executable:
         """Load ``artifact`` on ``device``; raise DoesNotFit when it cannot fit."""
+
+
+def pick_artifact(partition: str, candidates: list[PartitionArtifact], backend: Backend) -> PartitionArtifact:
+    """The first of ``candidates`` (one partition in its formats) that ``backend.supports()``; else ValueError
+    naming each format with its precision, since a backend declines either (an fp32-only card, an fp16 plan)."""
+    for candidate in candidates:
+        if backend.supports(candidate):
+            return candidate
+    have = [a.format for a in candidates]
+    dtypes = sorted({a.dtype for a in candidates})
+    raise ValueError(f"backend {backend.name!r} takes none of partition {partition}'s formats {have} at "
+                     f"precision {'/'.join(dtypes)} (its supports() declines each: the format, or the precision; "
+                     "partition at a precision it takes, e.g. --dense-precision fp32)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sixfold.backends.api import Backend, PartitionArtifact
+from sixfold.backends.api import Backend, PartitionArtifact, pick_artifact
 from sixfold.partitioner.cut.graph_cut import SplitGraph
 from sixfold.partitioner.plan import PartitionPlan
 from sixfold.partitioner.pricing.cost import PartitionCost
@@ -41,8 +41,5 @@ class PartitionedModel:
 
     def artifact_for(self, partition: str, backend: "Backend") -> PartitionArtifact:
         """The partition in a format ``backend`` takes; ValueError naming the formats when none fits."""
-        for candidate in [self.artifacts[partition], *self.variants.get(partition, [])]:
-            if backend.supports(candidate):
-                return candidate
-        have = [a.format for a in [self.artifacts[partition], *self.variants.get(partition, [])]]
-        raise ValueError(f"backend {backend.name!r} takes none of partition {partition}'s formats {have}")
+        return pick_artifact(partition, [self.artifacts[partition], *self.variants.get(partition, [])], backend)
+

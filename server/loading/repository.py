@@ -17,7 +17,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from sixfold.backends.api import PartitionArtifact
+from sixfold.backends.api import PartitionArtifact, pick_artifact
 from sixfold.partitioner.plan import PartitionPlan
 
 __all__ = ["ModelRepository", "RepositoryVersion", "RepositoryError"]
@@ -42,12 +42,11 @@ class RepositoryVersion:
     variants: dict[str, list[PartitionArtifact]] = field(default_factory=dict)
 
     def artifact_for(self, partition: str, backend) -> PartitionArtifact:
-        for candidate in [self.artifacts[partition], *self.variants.get(partition, [])]:
-            if backend.supports(candidate):
-                return candidate
-        have = [a.format for a in [self.artifacts[partition], *self.variants.get(partition, [])]]
-        raise RepositoryError(f"{self.path}: backend {backend.name!r} takes none of partition "
-                              f"{partition}'s formats {have}")
+        """The partition in a format ``backend`` takes (``pick_artifact``); RepositoryError naming the folder."""
+        try:
+            return pick_artifact(partition, [self.artifacts[partition], *self.variants.get(partition, [])], backend)
+        except ValueError as exc:
+            raise RepositoryError(f"{self.path}: {exc}") from None
 
 
 class ModelRepository:

@@ -136,3 +136,4 @@ def test_sixfold_serve_refuses_an_fp16_plan_on_it_naming_the_backend(installed: 
                           env=_env(installed), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "READY" not in proc.stdout, proc.stdout[-2000:]
     assert f"backend '{NAME}'" in proc.stderr and "partition dense" in proc.stderr, proc.stderr[-2000:]
+    assert "at precision fp16" in proc.stderr, proc.stderr[-2000:]  # the reason, not only the formats

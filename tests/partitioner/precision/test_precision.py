@@ -223,7 +223,7 @@ def test_int8_dense_quantizes_the_weights_keeps_fp32_io_and_stays_close(rm2):
     assert new.dtype == "int8" and 0.2 < new.param_bytes / old.param_bytes < 0.35
     assert int8.plan.estimates.latency_ms < fp32.plan.estimates.latency_ms
     assert int8.variants[DENSE_PARTITION] == []
-    with pytest.raises(ValueError, match="takes none of partition dense's formats \\['onnx'\\]"):
+    with pytest.raises(ValueError, match="takes none of partition dense's formats \\['onnx'\\] at precision int8"):
         int8.artifact_for(DENSE_PARTITION, registry.get_backend("torch"))
     with pytest.raises(ValueError, match="already int8"):
         apply_dense_precision(int8, "fp16")
