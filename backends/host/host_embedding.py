@@ -48,7 +48,6 @@ alone, no sort), and each group's output is scattered back to bag order.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import re
