@@ -48,7 +48,8 @@ from sixfold.models.signature import DENSE, INDICES, LENGTHS, SCORES
 # NOTE: compile imports this module lazily (in partition_file), so importing compile here is no cycle.
 from sixfold.partitioner.pricing.estimate import estimate_plan
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION, PartitionedModel
-from sixfold.partitioner.pricing.cost import PartitionCost
+from sixfold.partitioner.pricing.cost import OpCost, PartitionCost
+from sixfold.partitioner.pricing.onnx_ops import onnx_op_profile
 from sixfold.partitioner.plan import DeviceInfo, PartitionInfo, PartitionPlan, TensorInfo
 from sixfold.partitioner.cut.layout import Layout, observed_layout
 from sixfold.partitioner.frontends.onnx_bags import CONTROL_FLOW_OPS, BagRewrite, rewrite_loop_bags
@@ -921,9 +922,8 @@ def _tensor_info(split: OnnxSplit, name: str) -> TensorInfo:
         split.dtypes[name])), shape=shape, rows_per_item=layout.rows_per_item, ragged_by=layout.ragged_by)
 
 
-def _check_pieces(model: onnx.ModelProto, split: OnnxSplit, where: str) -> None:
-    """Refuse the plan unless host.onnx then dense.onnx answer like the original file at 1, 2, 3, 7 and 64
-    items and on a jagged request with empty bags (``piece_check.check_onnx_pieces``)."""
+def _example(split: OnnxSplit) -> Any:
+    """n -> a canonical n-item request with valid ids, as the cut observed the model with."""
     tables = len(split.tables["pooling"])
     limits = split.tables.get("rows") or [2] * tables  # unknown mapping: ids 0 and 1 are the probed ones
     dense_dim = split.shapes[DENSE][1]
@@ -931,7 +931,26 @@ def _check_pieces(model: onnx.ModelProto, split: OnnxSplit, where: str) -> None:
     def example(rows: int) -> dict[str, np.ndarray]:
         ids = _random_ids(rows, tables, split.pooling, limits, seed=1000 + rows)
         return _request(rows, dense_dim, tables, split.pooling, ids, seed=1000 + rows)
+    return example
 
+
+def _op_profiles(split: OnnxSplit) -> tuple[tuple[OpCost, ...], tuple[OpCost, ...]]:
+    """Host and dense op profiles at the observed sizes (priced op by op on a calibrated spec)."""
+    example, (small, large) = _example(split), _OBSERVE_ROWS
+    requests = {rows: example(rows) for rows in (small, large)}
+    host = _session(split.host)
+    crossing = {rows: dict(zip(split.boundary, host.run(split.boundary, {n: requests[rows][n] for n in
+                                                                          split.host_inputs})))
+                for rows in (small, large)}
+    return (onnx_op_profile(split.host, requests[small], small, requests[large], large),
+            onnx_op_profile(split.dense, {**requests[small], **crossing[small]}, small,
+                            {**requests[large], **crossing[large]}, large))
+
+
+def _check_pieces(model: onnx.ModelProto, split: OnnxSplit, where: str) -> None:
+    """Refuse the plan unless host.onnx then dense.onnx answer like the original file at 1, 2, 3, 7 and 64
+    items and on a jagged request with empty bags (``piece_check.check_onnx_pieces``)."""
+    example = _example(split)
     try:
         checked = check_onnx_pieces(model, split.host, split.dense, host_inputs=split.host_inputs,
                                     boundary=split.boundary, dense_inputs=split.dense_inputs, heads=split.heads,
@@ -963,11 +982,12 @@ def partition_onnx(source: str | Path | onnx.ModelProto, *, cards: list[DeviceSp
     _check_pieces(model, split, where)
 
     host_bytes, dense_bytes = _initializer_bytes(split.host), _initializer_bytes(split.dense)
+    host_ops, dense_ops = _op_profiles(split)  # priced op by op on a calibrated spec
     host_cost = PartitionCost(param_bytes=host_bytes, flops_per_item=0.0,
-                              bytes_per_item=split.lookup_bytes_per_item, weight_bytes_per_batch=0)
+                              bytes_per_item=split.lookup_bytes_per_item, weight_bytes_per_batch=0, ops=host_ops)
     dense_cost = PartitionCost(param_bytes=dense_bytes, flops_per_item=split.flops_per_item,
                                bytes_per_item=2.0 * split.dense_input_bytes_per_item,
-                               weight_bytes_per_batch=dense_bytes)
+                               weight_bytes_per_batch=dense_bytes, ops=dense_ops)
     host_info = DeviceInfo(id="host", spec=host)
     card_infos = [DeviceInfo(id=f"card{i}", spec=spec) for i, spec in enumerate(cards)]
     placements = replicate(HOST_PARTITION, DENSE_PARTITION, dense_cost, host_info, card_infos)
