@@ -443,7 +443,7 @@ def _find_pooling(runner: _Runner, heads: Sequence[str], dense_dim: int, tables:
         if bad is None:
             return p
         last = (f"with pooling {p}: output {bad!r} came out {list(out[bad].shape)} for a {rows}-item request, "
-                f"not [{rows}, ...] (every output must be item-major)")
+                f"not [{rows}, k] (every output must be item-major, one row of k values per item)")
     tried = f"pooling {pooling}" if pooling else f"every pooling factor 1..{MAX_POOLING}"
     raise ValueError(f"{where}: the model does not run on a canonical request with {tried} ids per "
                      f"(item, table); last error {last}" + ("" if pooling else "; pass --pooling"))
