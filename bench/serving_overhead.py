@@ -30,12 +30,12 @@ in torch (1 instance, no batching, as the latency bench's), ``triton empty`` ans
 tritonserver and the Python-backend stub). ``--skip-triton`` leaves both out; without ``.venv-triton``
 they are left out with the reason.
 
-Several front-end processes (``--workers 1 2 4``: ``sixfold-serve --workers N``, N processes on one
-port) and several echo processes on one port (``--echo-processes 1 4``) are measured side by side;
-the first echo server is every ratio's baseline. Their CPU is summed over all their processes, their
-requests over each process's statistics (sixfold's workers and the echo processes answer them on
-Unix sockets of their own). ``--concurrency`` sets perf_analyzer's; ``--perf-analyzer`` another copy
-of it (a lent machine without the shared tools).
+Several front-end processes (``--workers 1 2 4``: ``sixfold-serve --workers N``, N front ends on one
+port over one engine) and several echo processes on one port (``--echo-processes 1 4``) are measured side
+by side; the first echo server is every ratio's baseline. Their CPU is summed over all their processes
+(supervisor, engine and front ends), their requests from the engine's statistics (on its Unix socket in
+the run folder), or over each echo process's (on Unix sockets of their own). ``--concurrency`` sets
+perf_analyzer's; ``--perf-analyzer`` another copy of it (a lent machine without the shared tools).
 
     .venv/bin/python bench/serving_overhead.py              # writes the section into BENCHMARKS.md
     .venv/bin/python bench/serving_overhead.py --workers 1 2 4 8 --echo-processes 1 4 --concurrency 64 --no-write
@@ -68,6 +68,7 @@ from bench._thread_cpu import group_pids  # noqa: E402
 from bench.harness.bench_server import serve_until_signalled  # noqa: E402
 from bench.harness.peers import TRITON_PYTHON, triton_missing  # noqa: E402
 from bench.harness.report import publish  # noqa: E402
+from sixfold.server.workers.engine_channel import ENGINE_GRPC_SOCKET  # noqa: E402
 from sixfold.server.workers.process import ReadyProcess  # noqa: E402
 
 SECTION = "serving-overhead"
@@ -224,15 +225,15 @@ class Server:
 
 
 def start_sixfold(name: str, workers: int, serve_args: list[str], workdir: Path) -> Server:
-    """``sixfold-serve --model tiny --cards 6`` with ``workers`` workers; requests counted per worker."""
+    """``sixfold-serve --model tiny --cards 6`` with ``workers`` front ends; requests counted by the engine."""
     cmd = [sys.executable, "-m", "sixfold.server.cli", "--model", MODEL, "--cards", "6", "--grpc-port", "0",
            "--metrics-port", "-1", "--http-port", "-1", "--drain-seconds", "0", "--workers", str(workers), *serve_args]
     child = Child(name, cmd)
     if workers == 1:
         return Server(name, [child], pids=[child.pid], stats_urls=[child.url])
     pids = [int(pid) for pid in re.findall(r"worker \d+ pid (\d+)", child.output)]
-    folder = re.search(r"workers share .* run folder (\S+)", child.output)
-    sockets = [f"unix:{folder.group(1)}/worker-{i}.sock" for i in range(workers)] if folder else []
+    folder = re.search(r"front ends share .* run folder (\S+)", child.output)
+    sockets = [f"unix:{folder.group(1)}/{ENGINE_GRPC_SOCKET}"] if folder else []  # one engine counts them all
     return Server(name, [child], pids=[child.pid, *pids], stats_urls=sockets)
 
 

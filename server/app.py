@@ -202,8 +202,9 @@ class SixfoldServer:
         """What grpc.health.v1 says now (None: not set yet)."""
 
     async def start(self) -> int:
-        single_threaded_ops_here()  # the event loop runs small batches inline (sixfold.server.execution.runtime.StageRunner)
-        keep_freed_memory()  # stage workers reuse their batch buffers (sixfold-serve sets it before any thread)
+        if self._servicer is None:  # NOTE: a --workers front end runs no ops: it would only pay torch's ~180 MiB
+            single_threaded_ops_here()  # the event loop runs small batches inline (sixfold.server.execution.runtime.StageRunner)
+            keep_freed_memory()  # stage workers reuse their batch buffers (sixfold-serve sets it before any thread)
         workers = self.config.workers
         # NOTE: gRPC sets SO_REUSEPORT by default, so a second server on a busy port would bind it silently
         # and take half its connections; only the workers of one server share a port.

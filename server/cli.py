@@ -188,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="front-end processes sharing the ports, each with its own event loop, over one engine "
                           "that holds the models (default 1: one process; see docs/workers.md)")
     net.add_argument("--as-engine", default=None, help=argparse.SUPPRESS)  # RUN FOLDER, set by --workers
+    net.add_argument("--as-supervisor", action="store_true", help=argparse.SUPPRESS)  # set by --workers (_Supervise)
     limits = p.add_argument_group("limits (what clients may hold before admission; docs/serving.md, Limits)")
     limits.add_argument("--max-connections", type=_count, default=1000,
                         help="open connections per port (gRPC, REST, metrics); one more is closed at once "
@@ -795,6 +796,7 @@ async def _serve(args: argparse.Namespace, out: _Output, backend_options: dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     parser.json_errors = _wants_json(argv)
@@ -805,9 +807,37 @@ def main(argv: list[str] | None = None) -> int:
     capture = configure_logging(args.log_level, args.log_format)
     try:
         return _main(args, argv, _Output(args.log_format))
+    except _Supervise as become:
+        if not as_program:  # main(argv) called from Python: supervise here, do not replace the caller's process
+            args.as_supervisor = True
+            return _main(args, argv, _Output(args.log_format))
+        if capture is not None:
+            capture.close()
+            capture = None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, become.argv)  # same pid: signals and the orchestrator still reach the server
+        raise AssertionError("unreachable")
     finally:
         if capture is not None:
             capture.close()
+
+
+class _Supervise(Exception):
+    """``--workers N`` checked: this process becomes a lean supervisor (``--as-supervisor``) by exec.
+
+    The checks loaded the backends (torch among them, ~180 MiB); a supervisor that only starts and watches
+    processes should not hold that for the server's life. The tokens go to the environment, not the argv.
+    """
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        super().__init__("becoming the --workers supervisor")
+        for key, value in _token_env(args).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self.argv = [sys.executable, "-m", "sixfold.server.cli", *_without_tokens(argv), "--as-supervisor"]
 
 
 def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
@@ -831,17 +861,21 @@ def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
     try:
         for warning in _resolve_tokens(args):
             out.warning(warning)
-        backend_options = _check_before_loading(args)
+        if not args.as_supervisor:
+            backend_options = _check_before_loading(args)
     except (UsageError, OSError) as exc:
         out.error(error_text(exc))
         return 2
-    if args.workers > 1 and args.as_engine is None:
+    if args.workers > 1 and args.as_engine is None and not args.as_supervisor:
+        raise _Supervise(args, argv)
+    if args.as_supervisor:  # checked by this process before its exec (_Supervise)
         from dataclasses import asdict
 
         from sixfold.server.workers.supervisor import serve_workers
         front_end = {"max_message_bytes": args.max_message_mb << 20, "drain_seconds": args.drain_seconds,
                      "arena_bytes": (args.max_queue_bytes_mb << 20) or (4 << 30), "limits": asdict(_limits(args))}
-        return serve_workers(_without_tokens(argv), args.workers, env=_token_env(args), host=args.host,
+        children = [arg for arg in _without_tokens(argv) if arg != "--as-supervisor"]
+        return serve_workers(children, args.workers, env=_token_env(args), host=args.host,
                              grpc_port=args.grpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_token=args.metrics_token or None,
                              front_end=front_end, print_line=out.supervisor_line)

@@ -193,8 +193,8 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
                 stop_all()
                 _wait_all(procs)
                 return 2
-            print_line(f"sixfold-serve: metrics of the engine and the front ends on {host}:{bound} "
-                       "(summed as one server's)")
+            print_line(f"sixfold-serve: metrics of all workers on {host}:{bound} (the engine's series and the "
+                       "front ends' counters, as one server's)")
         print_line(f"sixfold-serve: one engine, {count} front ends share {host}:{ports['grpc']} (gRPC)"
                    + (f" and {host}:{ports['http']} (REST)" if ports["http"] is not None else "")
                    + f"; run folder {folder}")
