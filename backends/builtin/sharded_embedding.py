@@ -34,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from sixfold.backends.api import Arrays, Backend, BackendError, DoesNotFit, Executable, PartitionArtifact
+from sixfold.backends.api import Arrays, Backend, BackendError, CardRef, DoesNotFit, Executable, PartitionArtifact
 from sixfold.backends.host.host_embedding import HostEmbeddingStage, bytes_per_row
 from sixfold.backends.memory import format_bytes
 from sixfold.backends.builtin.simcard import SimCardBackend, SimCardExecutable, SimCardStats
 from sixfold.backends.spec import DeviceSpec
 
-__all__ = ["ShardedEmbeddingStage", "Block", "load_sharded_stage", "CARD_PRECISIONS", "HOST"]
+__all__ = ["ShardedEmbeddingStage", "Block", "load_sharded_stage", "shard_card_ref", "CARD_PRECISIONS", "HOST"]
 
 HOST = "host"
 CARD_PRECISIONS = ("fp32", "fp16")
@@ -222,7 +222,8 @@ class ShardedEmbeddingStage(Executable):
                 # Rows are the ids sent (simcard counts the first input): one add per value, row + id read.
                 param_bytes=0, flops_per_item=float(max(widths)),
                 bytes_per_item=float(bytes_per_row(card_precision, max(widths)) + _ID_BYTES),
-                dtype=card_precision, metadata={"blocks": len(mine), "bytes": nbytes})
+                dtype=card_precision, metadata={"blocks": len(mine), "bytes": nbytes},
+                card=shard_card_ref(device, spec))
             self.cards[device] = self._sim.load(card_artifact, spec)
         self._card_bytes = {d: int(c.inner.memory_bytes()) for d, c in self.cards.items()}
         self._prepare_routing()
@@ -440,6 +441,16 @@ def _check_tiling(blocks: Sequence[Block], rows: tuple[int, ...], dim: int) -> N
             cards = [b.device for b in mine]
             if len(set(cards)) != len(cards):
                 raise ValueError(f"table {t}: two column slices on one card ({cards}); merge them into one")
+
+
+def shard_card_ref(device_id: str, spec: DeviceSpec) -> CardRef | None:
+    """The physical card a shard's load is for (Backend API 1.3): plan device ``cardK`` on spec ``SPEC/cardK``.
+
+    None for a device id that is not ``cardK`` (a tool's own naming): such a load is for no one card.
+    """
+    index = device_id.removeprefix("card")
+    base = spec.name.split("/", 1)[0]
+    return CardRef(int(index), base) if device_id.startswith("card") and index.isdigit() and base else None
 
 
 def load_sharded_stage(plan: Any, tables_arrays: Sequence[np.ndarray], host_spec: DeviceSpec,

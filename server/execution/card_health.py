@@ -27,10 +27,10 @@ import numpy as np
 
 from sixfold.backends.api import Executable
 
-from sixfold.server.errors import Unavailable
+from sixfold.server.errors import InvalidInput, Unavailable
 
 __all__ = ["CardDeadlines", "expected_card_seconds", "CardHang", "CardError", "NoHealthyCardLeft",
-           "HostFallbackError", "one_item"]
+           "HostFallbackError", "one_item", "lane_card_ids", "lane_name", "same_failure", "BatchRefusedByEveryPath"]
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,59 @@ def expected_card_seconds(executable: Executable, rows: int, inputs: Mapping[str
     return sum(_stage_seconds(stage, rows, in_bytes, out_bytes) for stage in stages)
 
 
+def lane_card_ids(lane: Executable, index: int) -> tuple[str, ...]:
+    """The plan's ids of the physical cards serving lane ``index`` (``cardK``; a pipeline lane: one per stage).
+
+    A card's executable is loaded on a DeviceSpec named ``SPEC/cardK`` (``CardRef.device_name``); one
+    loaded on a bare spec (a test, a tool) is named ``card<lane>``.
+    """
+    stages: Sequence[Executable] = getattr(lane, "stages", None) or [lane]
+    ids = []
+    for stage in stages:
+        name = str(getattr(getattr(stage, "device", None), "name", ""))
+        ids.append(name.rsplit("/", 1)[1] if "/" in name else f"card{index}")
+    return tuple(ids)
+
+
+def lane_name(lane: Executable, index: int) -> str:
+    """How texts name lane ``index``: ``cardK`` for a one-card lane, ``replica R (cards a,b,c)`` for a pipeline's.
+
+    NOTE: a pipeline lane is a replica spanning several cards; naming it ``card<lane>`` made
+    "card1" mean replica 1 in texts and plan card 1 on /metrics.
+    """
+    ids = lane_card_ids(lane, index)
+    if getattr(lane, "stages", None) is None:
+        return ids[0]
+    return f"replica {index} (cards {','.join(i.removeprefix('card') for i in ids)})"
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The innermost cause of ``exc`` (wrappers such as a pipeline stage's BackendError add the card's name)."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
+
+
+def same_failure(a: BaseException, b: BaseException) -> bool:
+    """Whether two paths failed a batch the same way: the same innermost error type and text.
+
+    A card-specific fault names its card or differs in kind (a crash, a lost device); an error the
+    batch itself causes (ONNX Runtime's INVALID_ARGUMENT on a dimension) reads the same on every path.
+    """
+    ra, rb = _root(a), _root(b)
+    return type(ra) is type(rb) and str(ra) == str(rb)
+
+
 def one_item(inputs: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     """The first item of a batch (each input keeps its rows per item): a restarted card's probe."""
     return {n: np.ascontiguousarray(a[:a.shape[0] // rows]) for n, a in inputs.items()}
+
+
+class BatchRefusedByEveryPath(InvalidInput):
+    """Every path the batch took (two cards, or a card and the host fallback) failed it the same way:
+    the error is the request's (its shape), not a card's, so no card leaves rotation."""
 
 
 class CardHang(Unavailable):

@@ -37,8 +37,9 @@ from sixfold.models import DENSE, INDICES, LENGTHS
 
 from sixfold.server.scheduling.batcher import BatchInfo
 from sixfold.server.scheduling.card_gate import CARD_SCHEDULING, CardGate
-from sixfold.server.execution.card_health import (CardDeadlines, CardError, CardHang, HostFallbackError, NoHealthyCardLeft,
-                          expected_card_seconds)
+from sixfold.server.execution.card_health import (BatchRefusedByEveryPath, CardDeadlines, CardError, CardHang,
+                          HostFallbackError, NoHealthyCardLeft, expected_card_seconds, lane_card_ids, lane_name,
+                          same_failure)
 from sixfold.server.execution.card_split import CardSplit
 from sixfold.server.errors import InternalError, ServingError, Unavailable
 from sixfold.server.scheduling.router import LeastLoadedRouter, NoHealthyCard
@@ -489,9 +490,23 @@ class PlanRuntime:
         """
         return not self.closed and (bool(self.router.healthy) or self._can_fall_back)
 
+    def lane_cards(self, index: int) -> tuple[str, ...]:
+        """The plan's ids of the physical cards lane ``index`` runs on (one, or a pipeline replica's)."""
+        return lane_card_ids(self.cards[index], index)
+
+    def lane_name(self, index: int) -> str:
+        """Lane ``index`` in texts: ``cardK`` (the plan's card), or ``replica R (cards a,b,c)`` for a pipeline."""
+        return lane_name(self.cards[index], index)
+
+    def _states(self) -> str:
+        return "; ".join(f"{self.lane_name(i)} {state}" for i, state in enumerate(self.card_state))
+
+    def _lanes_word(self) -> str:
+        return "replicas" if any(getattr(c, "stages", None) is not None for c in self.cards) else "cards"
+
     def paths(self) -> str:
         """The paths a batch could take now, in words: each card's state, and the host fallback."""
-        cards = "; ".join(f"card{i} {state}" for i, state in enumerate(self.card_state))
+        cards = self._states()
         host = "host fallback ready" if self._can_fall_back else "no host fallback"
         return f"{cards}; {host}"
 
@@ -720,6 +735,7 @@ class PlanRuntime:
         running: list[_Attempt] = []
         tried: set[int] = set()
         failures: list[tuple[str, str]] = []  # (kind, what happened)
+        suspects: list[tuple[int, str, BaseException]] = []  # (lane, text, error): failed it, no verdict yet
         first: _Attempt | None = None
         hedge_at: float | None = None
         try:
@@ -748,19 +764,29 @@ class PlanRuntime:
                     exc = attempt.task.exception()
                     if exc is None:
                         self._served(attempt, card_inputs, rows, hedged=attempt is not first)
+                        self._convict(suspects)
                         for other in running:  # the slower copy: its answer is dropped, its card still watched
                             self._watch(other)
                         running.clear()
                         return attempt.index, attempt.task.result()
-                    text = f"card{attempt.index} failed ({type(exc).__name__}: {exc})"
+                    text = f"{self.lane_name(attempt.index)} failed ({type(exc).__name__}: {exc})"
                     failures.append(("error", text))
-                    self._fault(attempt.index, "error", text, lost=isinstance(exc, DeviceLost))
+                    if isinstance(exc, DeviceLost):
+                        self._fault(attempt.index, "error", text, lost=True)
+                        continue
+                    same = [s for s in suspects if same_failure(s[2], exc)]
+                    if same:  # a second path failed it the same way: the batch's error, not the cards'
+                        self._refuse(running, rows, [t for _, t, _ in same] + [text], exc)
+                    # NOTE: no verdict yet: a card is taken out only once another path answers this batch
+                    # or fails it differently (see _convict), never for an error every path would raise
+                    self._convict(suspects)
+                    suspects.append((attempt.index, text, exc))
                 now = loop.time()
                 for attempt in [a for a in running if now >= a.deadline]:
                     running.remove(attempt)
                     attempt.task.cancel()
                     self.router.release(attempt.index, rows, attempt.expected_s)
-                    text = f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)"
+                    text = f"{self.lane_name(attempt.index)} hung (> {attempt.hang_after:.2f} s)"
                     failures.append(("hang", text))
                     self._fault(attempt.index, "hang", text)
                 if hedge_at is not None and now >= hedge_at:
@@ -777,12 +803,32 @@ class PlanRuntime:
                         self._watch(attempt)
                     running.clear()
                     break
+        except BatchRefusedByEveryPath:
+            raise
         except BaseException:  # cancelled (server closing) or a bug: no card keeps this batch's load
             for attempt in running:
                 attempt.task.cancel()
                 self.router.release(attempt.index, rows, attempt.expected_s)
             raise
-        return -1, await self._fall_back(card_inputs, rows, failures)
+        return -1, await self._fall_back(card_inputs, rows, failures, suspects)
+
+    def _convict(self, suspects: list[tuple[int, str, BaseException]]) -> None:
+        """The lanes that failed a batch another path answered (or failed differently): a card fault each."""
+        for index, text, _ in suspects:
+            self._fault(index, "error", text)
+        suspects.clear()
+
+    def _refuse(self, running: list[_Attempt], rows: int, texts: list[str], exc: BaseException) -> None:
+        """Answer INVALID_ARGUMENT: every path failed the batch the same way (its shape), so no card is at fault."""
+        for attempt in running:  # a hedged copy would fail the same way: stop it, no verdict on its card
+            attempt.task.cancel()
+            self.router.release(attempt.index, rows, attempt.expected_s)
+        running.clear()
+        log.warning("a %d-row batch failed the same way on %d paths (%s): the request's error; every card stays "
+                    "in rotation", rows, len(texts), "; ".join(texts))
+        raise BatchRefusedByEveryPath(f"this batch fails the same way on every path it was run on "
+                                      f"({', '.join(t.split(' failed', 1)[0] for t in texts)}), so its inputs do not "
+                                      f"fit the model: {type(exc).__name__}: {exc}") from exc
 
     def _start(self, card_inputs: Arrays, rows: int, tried: set[int], *, idle_only: bool) -> _Attempt | None:
         """Send the batch to a healthy card not yet tried (None: there is none)."""
@@ -836,10 +882,10 @@ class PlanRuntime:
             self.router.release(attempt.index, attempt.rows, attempt.expected_s)
             if not attempt.task.done():
                 attempt.task.cancel()
-                self._fault(attempt.index, "hang", f"card{attempt.index} hung (> {attempt.hang_after:.2f} s)")
+                self._fault(attempt.index, "hang", f"{self.lane_name(attempt.index)} hung (> {attempt.hang_after:.2f} s)")
             elif not attempt.task.cancelled() and attempt.task.exception() is not None:
                 exc = attempt.task.exception()
-                self._fault(attempt.index, "error", f"card{attempt.index} failed ({type(exc).__name__}: {exc})",
+                self._fault(attempt.index, "error", f"{self.lane_name(attempt.index)} failed ({type(exc).__name__}: {exc})",
                             lost=isinstance(exc, DeviceLost))
             else:
                 self._strikes[attempt.index] = 0
@@ -848,22 +894,36 @@ class PlanRuntime:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _fall_back(self, card_inputs: Arrays, rows: int, failures: list[tuple[str, str]]) -> Arrays:
-        """No card answered: the dense part on the host CPU, else UNAVAILABLE naming what happened."""
-        states = "; ".join(f"card{i} {state}" for i, state in enumerate(self.card_state))
+    async def _fall_back(self, card_inputs: Arrays, rows: int, failures: list[tuple[str, str]],
+                         suspects: list[tuple[int, str, BaseException]] | None = None) -> Arrays:
+        """No card answered: the dense part on the host CPU, else UNAVAILABLE naming what happened.
+
+        ``suspects``: lanes that failed the batch with no verdict yet; the host fallback failing it the
+        same way makes it the request's error (INVALID_ARGUMENT), else they are card faults.
+        """
+        suspects = suspects if suspects is not None else []
         if not self._can_fall_back:
+            self._convict(suspects)
+            states = self._states()
+            word = self._lanes_word()
             if not failures:
-                raise NoHealthyCardLeft(f"all {len(self.cards)} cards unhealthy: {states}")
+                raise NoHealthyCardLeft(f"all {len(self.cards)} {word} unhealthy: {states}")
             kind = CardHang if any(k == "hang" for k, _ in failures) else CardError
-            raise kind(f"batch failed on {len(failures)} card(s): {'; '.join(t for _, t in failures)} "
-                       f"(cards now: {states})")
+            raise kind(f"batch failed on {len(failures)} {word.removesuffix('s')}(s): "
+                       f"{'; '.join(t for _, t in failures)} ({word} now: {states})")
+        states = self._states()
         runner = self._host_dense_runner
         assert runner is not None
         try:
             outputs = await runner.infer({n: card_inputs[n] for n in runner.input_names}, rows)
         except Exception as exc:  # noqa: BLE001 - named in the client's error
+            same = [s for s in suspects if same_failure(s[2], exc)]
+            if same:
+                self._refuse([], rows, [t for _, t, _ in same] + [f"host failed ({type(exc).__name__}: {exc})"], exc)
+            self._convict(suspects)
             raise HostFallbackError(f"no card could answer ({states}) and the host dense fallback failed: "
                                     f"{type(exc).__name__}: {exc}") from exc
+        self._convict(suspects)
         self.host_fallbacks += 1
         if self.host_fallbacks == 1 or failures:
             log.warning("a %d-row batch's dense part ran on the host: %s", rows,
@@ -884,13 +944,14 @@ class PlanRuntime:
         if self.card_gate is not None:
             self.card_gate.changed()
         self._strikes[index] += 1
+        name = self.lane_name(index)
         if lost:
-            self.card_state[index] = f"lost for good: {why.removeprefix(f'card{index} ')}"
-            log.error("card%d lost for good (its backend raised DeviceLost): %s; it is not restarted", index, why)
+            self.card_state[index] = f"lost for good: {why.removeprefix(f'{name} ')}"
+            log.error("%s lost for good (its backend raised DeviceLost): %s; it is not restarted", name, why)
             return
         restarting = self.reload_card is not None
-        self.card_state[index] = f"{why.removeprefix(f'card{index} ')}{', restarting' if restarting else ''}"
-        log.warning("card%d out of rotation: %s", index, why)
+        self.card_state[index] = f"{why.removeprefix(f'{name} ')}{', restarting' if restarting else ''}"
+        log.warning("%s out of rotation: %s", name, why)
         if restarting:
             task = asyncio.ensure_future(self._restart(index))
             self._restarts.add(task)
@@ -910,7 +971,7 @@ class PlanRuntime:
                 assert self.reload_card is not None
                 self.cards[index] = await asyncio.to_thread(self.reload_card, index)
             except Exception as exc:  # noqa: BLE001 - stays out of rotation; the others keep serving
-                log.exception("card%d could not be restarted; it stays out of rotation", index)
+                log.exception("%s could not be restarted; it stays out of rotation", self.lane_name(index))
                 lost = "lost for good: " if isinstance(exc, DeviceLost) else ""
                 self.card_state[index] = f"{lost}restart failed ({type(exc).__name__}: {exc})"
                 return
@@ -919,16 +980,16 @@ class PlanRuntime:
                 break
             if why.startswith("lost"):
                 self.card_state[index] = f"{why} after a restart"
-                log.error("card%d lost for good after a restart: %s; it is not restarted again", index, why)
+                log.error("%s lost for good after a restart: %s; it is not restarted again", self.lane_name(index), why)
                 return
             self._strikes[index] += 1
             self.card_state[index] = f"{why} after a restart, restarting"
-            log.warning("card%d failed its probe after a restart: %s", index, why)
+            log.warning("%s failed its probe after a restart: %s", self.lane_name(index), why)
         self.card_state[index] = "healthy"
         self.router.mark_up(index)
         if self.card_gate is not None:
             self.card_gate.changed()
-        log.warning("card%d restarted and back in rotation", index)
+        log.warning("%s restarted and back in rotation", self.lane_name(index))
 
     async def _probe_card(self, index: int) -> str | None:
         """Run one item of a recent batch on a restarted card within its deadline; None if it answered."""

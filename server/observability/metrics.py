@@ -60,13 +60,16 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.failure = Counter("sixfold_inference_request_failure", "Failed inference requests", ["model", "reason"], registry=r)
-        self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card", ["model", "card"], registry=r)
+        self.card_outstanding = Gauge("sixfold_card_outstanding_rows", "Rows in flight on each card (a pipeline "
+                                      "replica's on each of its cards, lane naming the replica)", ["model", "card", "lane"], registry=r)
         self.host_dense_max_rows = Gauge("sixfold_host_dense_max_rows", "Batches of at most this many rows run their dense part on the host CPU (0: none)", ["model"], registry=r)
         self.sim_lag = Gauge("sixfold_simcard_lag_seconds", "Total time simulated cards finished later than modelled (host too slow)", ["model", "card"], registry=r)
         self.refused = Counter("sixfold_requests_refused", "Inference requests refused before reaching a model "
                                "(unknown model, undecodable or oversized tensors, shutting down)",
                                ["protocol", "reason"], registry=r)
-        self.card_faults = Counter("sixfold_card_faults", "Card faults, also those a hedge or retry saved (kind: late, hang, error)", ["model", "card", "kind"], registry=r)
+        self.card_faults = Counter("sixfold_card_faults", "Card faults, also those a hedge or retry saved (kind: late, hang, "
+                                   "error); a pipeline replica's counted on each of its cards, lane naming the replica",
+                                   ["model", "card", "lane", "kind"], registry=r)
         self.delta_sequence = Gauge("sixfold_model_delta_sequence", "Table deltas applied to the served version (0: its tables as written)", ["model", "version"], registry=r)
 
         self._models: dict[tuple[str, str], ModelMetrics] = {}
@@ -113,6 +116,32 @@ class ServerMetrics:
 
 
 
+class _LaneGauge:
+    """The outstanding-rows children of one lane's cards, set together."""
+
+    __slots__ = ("_children",)
+
+    def __init__(self, children: list[Any]) -> None:
+        self._children = children
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+
+class _StageLag:
+    """A pipeline replica's simulation lag, set per card from each stage's own ``stats()``."""
+
+    def __init__(self, children: list[tuple[Any, Any]]) -> None:
+        self._children = children
+
+    def set(self, _total: float) -> None:
+        for child, stage in self._children:
+            stats = getattr(stage, "stats", None)
+            if callable(stats):
+                child.set(stats().total_lag_s)
+
+
 class ModelMetrics:
     """The children of every per-model metric for one model version, resolved once.
 
@@ -142,16 +171,35 @@ class ModelMetrics:
         self.ready: Callable[[], bool] = lambda: True
         """Whether the version can answer now (``ServedModel.ready``), read at scrape time; the served model sets it."""
 
+    def lane_labels(self, index: int) -> tuple[tuple[str, ...], str]:
+        """(the plan's card ids, lane label) of serving lane ``index``: one card and ``""``, or a pipeline
+        replica's cards and ``replicaR``. Read from the watched runtime (``ServerMetrics.watch_cards``)."""
+        runtime = self._m._runtimes.get((self.model, self.version))
+        if runtime is None or not hasattr(runtime, "lane_cards"):
+            return (f"card{index}",), ""
+        pipelined = getattr(runtime.cards[index], "stages", None) is not None
+        return tuple(runtime.lane_cards(index)), f"replica{index}" if pipelined else ""
+
     def card(self, index: int) -> Any:
-        """The outstanding-rows gauge of card ``index``."""
-        child = self._cards.get(index)
-        if child is None:
-            child = self._cards[index] = self._m.card_outstanding.labels(self.model, f"card{index}")
-        return child
+        """The outstanding-rows gauge of lane ``index`` (``set`` sets it on each of the lane's cards)."""
+        gauge = self._cards.get(index)
+        if gauge is None:
+            cards, lane = self.lane_labels(index)
+            gauge = self._cards[index] = _LaneGauge([self._m.card_outstanding.labels(self.model, c, lane)
+                                                     for c in cards])
+        return gauge
 
     def card_lag(self, index: int) -> Any:
-        """The simulation-lag gauge of card ``index``: made only for a simulated card, which has a lag to report."""
-        return self._m.sim_lag.labels(self.model, f"card{index}")
+        """The simulation-lag gauge of lane ``index``: made only for a simulated card, which has a lag to report.
+
+        A pipeline replica's lag is kept per card: ``set`` reads each stage's own (its total is ignored).
+        """
+        cards, lane = self.lane_labels(index)
+        if not lane:
+            return self._m.sim_lag.labels(self.model, cards[0])
+        runtime = self._m._runtimes.get((self.model, self.version))
+        stages = list(runtime.cards[index].stages) if runtime is not None else []
+        return _StageLag([(self._m.sim_lag.labels(self.model, c), s) for c, s in zip(cards, stages)])
 
     def record_success(self, rows: int, total_s: float, queue_s: float, host_s: float, card_s: float) -> None:
         """One answered request (on the event loop; a scrape reads these from another thread)."""
@@ -180,8 +228,11 @@ class ModelMetrics:
             self.host_dense_max_rows.set(host_dense_max_rows)
 
     def card_fault(self, card: int, kind: str) -> None:
-        """One card fault ("late": passed its hedge point; "hang"; "error"), counted even when the batch was saved."""
-        self._m.card_faults.labels(self.model, f"card{card}", kind).inc()
+        """One fault of lane ``card`` ("late": passed its hedge point; "hang"; "error"), counted even when the
+        batch was saved: on the plan's card, or on each card of a pipeline replica with ``lane="replicaR"``."""
+        cards, lane = self.lane_labels(card)
+        for card_id in cards:
+            self._m.card_faults.labels(self.model, card_id, lane, kind).inc()
 
     def record_failure(self, reason: str) -> None:
         # NOTE: failures are rare; labels() per call keeps the reason set open.

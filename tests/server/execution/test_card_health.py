@@ -235,7 +235,7 @@ async def test_every_card_hung_the_host_answers_every_request_correctly_and_in_t
     runtime = served.runtime
     assert runtime.host_fallbacks >= 1 and runtime.router.healthy == []
     sample = metrics.registry.get_sample_value
-    hangs = sum(sample("sixfold_card_faults_total", {"model": "rm1", "card": f"card{i}", "kind": "hang"}) or 0
+    hangs = sum(sample("sixfold_card_faults_total", {"model": "rm1", "card": f"card{i}", "lane": "", "kind": "hang"}) or 0
                 for i in range(3))
     assert hangs >= 3 and hangs == sum(n for (_, kind), n in runtime.fault_counts.items() if kind == "hang")
     assert sample("sixfold_inference_request_failure_total", {"model": "rm1", "reason": "card_hang"}) is None
@@ -294,7 +294,7 @@ def test_a_models_config_pbtxt_sets_its_card_deadlines(rm1, tmp_path) -> None:
         assert (served.runtime.deadlines.floor_s, served.runtime.deadlines.multiple) == (0.25, 2.5)
         served.runtime.on_card_fault(1, "late")  # the loader wired the runtime's faults to the metrics
         assert metrics.registry.get_sample_value("sixfold_card_faults_total",
-                                                 {"model": "rm1", "card": "card1", "kind": "late"}) == 1
+                                                 {"model": "rm1", "card": "card1", "lane": "", "kind": "late"}) == 1
     finally:
         served.runtime.close()
     (tmp_path / "repo" / "rm1" / "config.pbtxt").write_text(
