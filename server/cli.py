@@ -110,13 +110,19 @@ class _Output:
                    f"{est.bottleneck}; throughput bound {est.throughput_items_per_s:,.0f} items/s; unloaded latency "
                    f"{est.latency_ms:.2f} ms (batches of {est.batch_rows} items)")
         tiered = _tiered_note(plan, resident)
+        lone = _lone_query(served, plan)
         if self.json:
-            emit(summary + (f"; {tiered}" if tiered else ""), logger=_LOGGER, event="plan", model=served.name,
-                 version=served.version, plan=_plan_fields(plan, resident))
+            fields = _plan_fields(plan, resident)
+            if lone is not None:
+                fields["served_latency"] = lone.to_dict()
+            emit(summary + (f"; {tiered}" if tiered else "") + (f"; {lone.describe(est.batch_rows)}" if lone else ""),
+                 logger=_LOGGER, event="plan", model=served.name, version=served.version, plan=fields)
             return
         print_plan(plan, self.console)
         if tiered:
             self.console.print(f"  {tiered}", markup=False, soft_wrap=True)
+        if lone is not None:
+            self.console.print(f"  unloaded, as served: {lone.describe(est.batch_rows)}", markup=False, soft_wrap=True)
 
     def supervisor_line(self, text: str) -> None:
         """A line of the --workers supervisor: its own, or a worker's (``[worker N] ...``) with ``worker`` set."""
@@ -622,6 +628,24 @@ def _tiered_estimates(est: Any, host_seconds: float, host_bytes: int) -> Any:
                                latency_ms=latency * 1e3)
 
 
+def _lone_query(served: Any, plan: Any) -> Any:
+    """The plan's lone-query latency terms (``sixfold.partitioner.pricing.served_latency``) with this server's
+    batching window where a lone query waits it (``all_in_dispatch`` off); None for a plan made before them."""
+    from sixfold.partitioner.pricing.served_latency import ServedLatency
+
+    if not plan.estimates.served:
+        return None
+    lone = ServedLatency.from_dict(plan.estimates.served)
+    pooling = plan.tables.get("pooling") or []
+    if pooling and not lone.ids_per_item:
+        lone = dataclasses.replace(lone, ids_per_item=float(sum(pooling)))
+    config = getattr(getattr(served, "batcher", None), "config", None)
+    if config is not None and not config.all_in_dispatch:
+        lone = dataclasses.replace(lone, window_s=config.max_queue_delay_microseconds / 1e6,
+                                   no_wait_rows=config.no_wait_rows or 0)
+    return lone
+
+
 def _tiered_note(plan: Any, resident: Any) -> str:
     if resident is None:
         return ""
@@ -824,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Supervise(Exception):
-    """``--workers N`` checked: this process becomes a lean supervisor (``--as-supervisor``) by exec.
+    """``--workers N`` checked: this process becomes a lean supervisor (``--as-supervisor``) by exec, same pid.
 
     The checks loaded the backends (torch among them, ~180 MiB); a supervisor that only starts and watches
     processes should not hold that for the server's life. The tokens go to the environment, not the argv.
@@ -837,7 +861,10 @@ class _Supervise(Exception):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        self.argv = [sys.executable, "-m", "sixfold.server.cli", *_without_tokens(argv), "--as-supervisor"]
+        # NOTE: as ``python .../sixfold-serve`` when started so: a container's health probe finds the server by
+        # that name in the process list (docker/healthcheck.py)
+        program = [sys.argv[0]] if Path(sys.argv[0]).name == "sixfold-serve" else ["-m", "sixfold.server.cli"]
+        self.argv = [sys.executable, *program, *_without_tokens(argv), "--as-supervisor"]
 
 
 def _main(args: argparse.Namespace, argv: list[str], out: _Output) -> int:
