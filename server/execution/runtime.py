@@ -9,7 +9,10 @@ the card is restarted in the background (closed, loaded again, and probed with
 a one-item batch) before it rejoins; repeated failures back off. When no card
 can answer in time (every card hung or restarting), the batch's dense part
 runs on the host CPU if a host dense executable exists, else it fails at once
-with UNAVAILABLE naming each card's state.
+with UNAVAILABLE naming each card's state. A card's error is judged once a second path (a card,
+or the host fallback) has run the batch: failed the same way there, it is the batch's own (its
+shape; INVALID_ARGUMENT, every card stays in rotation), else the card's. Texts name a lane by
+its plan card (``cardK``), or a pipeline's as ``replica R (cards a,b,c)``.
 
 Small batches may run their dense part on the host CPU instead (DeepRecSys:
 for a few items a card's transfers and queue cost more than the host's
@@ -764,7 +767,8 @@ class PlanRuntime:
                     exc = attempt.task.exception()
                     if exc is None:
                         self._served(attempt, card_inputs, rows, hedged=attempt is not first)
-                        self._convict(suspects)
+                        if suspects:  # another path answered: their failures were their cards'
+                            self._convict(suspects)
                         for other in running:  # the slower copy: its answer is dropped, its card still watched
                             self._watch(other)
                         running.clear()
