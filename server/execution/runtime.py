@@ -780,7 +780,7 @@ class PlanRuntime:
                         continue
                     same = [s for s in suspects if same_failure(s[2], exc)]
                     if same:  # a second path failed it the same way: the batch's error, not the cards'
-                        self._refuse(running, rows, [t for _, t, _ in same] + [text], exc)
+                        self._refuse(running, card_inputs, rows, [t for _, t, _ in same] + [text], exc)
                     # NOTE: no verdict yet: a card is taken out only once another path answers this batch
                     # or fails it differently (see _convict), never for an error every path would raise
                     self._convict(suspects)
@@ -822,12 +822,16 @@ class PlanRuntime:
             self._fault(index, "error", text)
         suspects.clear()
 
-    def _refuse(self, running: list[_Attempt], rows: int, texts: list[str], exc: BaseException) -> None:
+    def _refuse(self, running: list[_Attempt], card_inputs: Arrays, rows: int, texts: list[str],
+                exc: BaseException) -> None:
         """Answer INVALID_ARGUMENT: every path failed the batch the same way (its shape), so no card is at fault."""
         for attempt in running:  # a hedged copy would fail the same way: stop it, no verdict on its card
             attempt.task.cancel()
             self.router.release(attempt.index, rows, attempt.expected_s)
         running.clear()
+        probe = self._probe
+        if probe is not None and probe[1] == rows and all(card_inputs.get(n) is a for n, a in probe[0].items()):
+            self._probe = None  # never probe a restarted card with a batch no card can take
         log.warning("a %d-row batch failed the same way on %d paths (%s): the request's error; every card stays "
                     "in rotation", rows, len(texts), "; ".join(texts))
         raise BatchRefusedByEveryPath(f"this batch fails the same way on every path it was run on "
@@ -923,7 +927,8 @@ class PlanRuntime:
         except Exception as exc:  # noqa: BLE001 - named in the client's error
             same = [s for s in suspects if same_failure(s[2], exc)]
             if same:
-                self._refuse([], rows, [t for _, t, _ in same] + [f"host failed ({type(exc).__name__}: {exc})"], exc)
+                self._refuse([], card_inputs, rows, [t for _, t, _ in same] + [f"host failed ({type(exc).__name__}: {exc})"],
+                             exc)
             self._convict(suspects)
             raise HostFallbackError(f"no card could answer ({states}) and the host dense fallback failed: "
                                     f"{type(exc).__name__}: {exc}") from exc

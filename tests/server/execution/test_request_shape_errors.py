@@ -64,6 +64,7 @@ def test_a_batch_the_model_cannot_take_is_invalid_argument_and_every_card_stays(
             assert "dense_features" in info.value.message() and "INVALID_ARGUMENT" in info.value.message(), \
                 info.value.message()
             assert runtime.router.healthy == list(range(cards)), runtime.paths()
+        assert runtime._probe is None  # a restarted card is never probed with a batch no card can take
         request = _request(FIXED_ITEMS, 99)  # the size the model takes: answered, on a card still in rotation
         scores = client.infer("rm1", triton_inputs(grpcclient, request)).as_numpy("scores")
     with torch.inference_mode():
