@@ -108,6 +108,9 @@ class Estimates:
     throughput_items_per_s: float
     latency_ms: float
     """Unloaded latency of one batch: host stage + transfers + card stage."""
+    served: dict[str, Any] | None = None
+    """A lone query's latency terms at any size, serving path included (``sixfold.partitioner.pricing.served_latency
+    .ServedLatency.to_dict``); None in plans made before it."""
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sixfold.partitioner.plan import DeviceEstimate, DeviceInfo, Estimates
 from sixfold.partitioner.pricing.cost import PartitionCost, stage_seconds
+from sixfold.partitioner.pricing.served_latency import price_lone_query
 
 __all__ = ["estimate_plan"]
 
@@ -37,5 +38,18 @@ def estimate_plan(plan_devices: list[DeviceInfo], placements, costs: dict[str, P
         replicas = sum(1 for x in per_device if set(x.partitions) == set(d.partitions))
         d.utilisation = min(1.0, bound / replicas * d.batch_seconds / batch_rows) if batch_rows else 0.0
     latency = sum(max(d.batch_seconds for d in per_device if name in d.partitions) for name in costs)
+    devices = {d.id: d for d in plan_devices}
+
+    def lone(rows: int, host: bool) -> float:
+        """A ``rows``-item batch through the host's partitions (``host``) or the cards' (slowest replica each)."""
+        total = 0.0
+        for name in costs:
+            on = [devices[p.device] for p in placements if p.partition == name]
+            if on and (on[0].id == "host") == host:
+                in_per, out_per = io_bytes[name]
+                total += max(stage_seconds(d.spec, costs[name], rows, in_per * rows, out_per * rows) for d in on)
+        return total
+
+    served = price_lone_query(lambda r: lone(r, True), lambda r: lone(r, False))
     return Estimates(batch_rows=batch_rows, per_device=per_device, bottleneck=bottleneck,
-                     throughput_items_per_s=bound, latency_ms=latency * 1e3)
+                     throughput_items_per_s=bound, latency_ms=latency * 1e3, served=served.to_dict())
