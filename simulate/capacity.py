@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sixfold.partitioner.pricing.served_latency import ServingPath
 from sixfold.simulate.engine import RunResult, ServingSettings, simulate
 from sixfold.simulate.platform import Platform, build_platform
 from sixfold.simulate.traffic import Arrivals, Traffic
@@ -171,14 +172,15 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
                  max_rows: int | None = None, host_memory_bytes: int | None = None, duration_s: float,
                  warmup_s: float, settings: ServingSettings, seed: int = 0, max_error_rate: float = 0.0,
                  per_request_s: float | None = None, progress: Progress | None = None,
-                 jobs: int = 1) -> CardsAnswer:
+                 jobs: int = 1, serving_path: ServingPath | None = None) -> CardsAnswer:
     """Binary search over 1..``max_cards`` for the fewest cards whose run at ``qps`` passes."""
     if not (qps > 0 and math.isfinite(qps)):
         raise ValueError(f"--qps must be > 0, got {qps}")
     if max_cards < 1:
         raise ValueError(f"--max-cards must be >= 1, got {max_cards}")
     answer = CardsAnswer(card_spec, table_precision, dense_precision, None, None, None)
-    extra = {} if per_request_s is None else {"per_request_s": per_request_s}
+    extra: dict = {} if per_request_s is None else {"per_request_s": per_request_s}
+    extra["serving_path"] = serving_path
 
     def platform(cards: int) -> Platform:
         return build_platform(model, cards=cards, card_spec=card_spec, host_spec=host_spec,

@@ -227,6 +227,9 @@ def _platform_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if args.per_request_us < 0:
             raise ValueError(f"--per-request-us must be >= 0, got {args.per_request_us:g}")
         kwargs["per_request_s"] = args.per_request_us / 1e6
+    if _host_spec(args) == "auto":  # this host: its serving path as calibrated here (or the documented default)
+        from sixfold.partitioner.pricing.served_latency import load_serving_path
+        kwargs["serving_path"] = load_serving_path()
     return kwargs
 
 

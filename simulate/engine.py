@@ -204,6 +204,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
         finished = loop.create_future()
         requests: dict[tuple[int, int], dict] = {}
         rows_of, ids_of, due_at = arrivals.items.tolist(), arrivals.ids.tolist(), due.tolist()
+        path_delay = [platform.path_delay_s(int(r)) for r in rows_of]  # gRPC and the client: no shared resource
 
         def answered(i: int, item: Any, future: asyncio.Future) -> None:
             outstanding[0] -= 1
@@ -212,7 +213,7 @@ def simulate(platform: Platform, arrivals: Arrivals, *, settings: ServingSetting
             else:
                 exc = future.exception()
                 if exc is None:
-                    latency[i] = loop.time() - due_at[i]
+                    latency[i] = loop.time() - due_at[i] + path_delay[i]
                     if item.info is not None:
                         queue_s[i] = item.info.queue_s
                 else:

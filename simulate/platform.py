@@ -30,6 +30,7 @@ from sixfold.backends.spec_catalog import load_spec
 from sixfold.partitioner.compile import partition_builtin
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
 from sixfold.partitioner.pricing.cost import PartitionCost, stage_seconds
+from sixfold.partitioner.pricing.served_latency import ServingPath
 from sixfold.partitioner.plan import PartitionPlan
 from sixfold.partitioner.precision.dense import DENSE_PRECISIONS
 from sixfold.partitioner.placement.strategy import ACTIVATION_HEADROOM
@@ -107,6 +108,18 @@ class Platform:
     """Serving cost of one request on the event loop (decode, validate, queue, encode)."""
     per_item_s: float = 0.0
     """Front-end cost per item of a request (the id checks of validation grow with the ids)."""
+    serving_path: ServingPath | None = None
+    """The serving path a request pays outside the stages (decode .. encode, gRPC both ways), calibrated on this
+    host (``sixfold.partitioner.pricing.served_latency``): what of it the front end's costs above do not already
+    charge is added to every answered request as a delay (no shared resource: gRPC's own threads and the client).
+    None: not priced (a spec-only what-if of another host)."""
+
+    def path_delay_s(self, items: int) -> float:
+        """The serving path's delay for an ``items``-item request beyond the front end's charged costs."""
+        if self.serving_path is None:
+            return 0.0
+        return max(0.0, self.serving_path.seconds(items, self.ids_per_item) - self.per_request_s
+                   - self.per_item_s * items)
 
     @property
     def power_watts(self) -> float:
@@ -188,7 +201,7 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
                    host_spec: str | DeviceSpec = "host-cpu", table_precision: str = "fp32",
                    dense_precision: str = "fp32", max_rows: int | None = None, strategy: str = "auto",
                    host_dense: bool = True, per_request_s: float = PER_REQUEST_S,
-                   host_memory_bytes: int | None = None) -> Platform:
+                   host_memory_bytes: int | None = None, serving_path: ServingPath | None = None) -> Platform:
     """Plan ``model`` on ``cards`` cards of ``card_spec`` plus the host, priced for simulation.
 
     Raises ValueError naming the argument at fault: an unknown model or spec, no cards, a
@@ -254,5 +267,5 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
     return Platform(model=model, plan=plan, host=host_stage, lanes=lanes, host_dense=dense_on_host,
                     card_spec=card, host_spec=host, cards=cards, ids_per_item=ids_per_item,
                     table_bytes=table_bytes, table_precision=table_precision, dense_precision=dense_precision,
-                    per_request_s=per_request_s)
+                    per_request_s=per_request_s, serving_path=serving_path)
 
