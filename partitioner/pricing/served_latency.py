@@ -3,7 +3,8 @@
 The plan's batch time (host stage + dense stage of ``batch_rows`` items) is not what a client waits for. A
 lone query on an idle server also pays the serving path around the stages: decode, validation, the batcher's
 hand-off, splitting the outputs back, encode, and gRPC both ways. Measured on this project's 2-core VM
-(``bench/unloaded_latency.py``), that path is ~1 ms plus ~2 us an item, 5-50% of a lone query's time. The
+(``bench/unloaded_latency.py``), that path is ~1 ms plus ~2 us an item plus ~12 ns a looked-up id (the ids
+dominate a request's bytes: rm2's 700-item query carries 21 MiB of them), 5-50% of a lone query's time. The
 batching window is not paid: with ``all_in_dispatch`` (the default) an idle batcher dispatches at once.
 
 The serving path is calibrated on the host where it runs (``bench/unloaded_latency.py --calibrate`` writes
@@ -42,10 +43,11 @@ class ServingPath:
 
 
 DEFAULT_SERVING_PATH = ServingPath(1.0e-3, 1.8e-6, "default (measured on the 2-core development VM, 2026-11-27)",
-                                   0.65e-9)
-"""Client latency less the server's host and dense stage times, lone dlrm-mlperf queries of 1-700 items over
-gRPC on 127.0.0.1 (tritonclient), median of 8 each: 0.86, 0.84, 1.68, 1.84, 2.16 ms at 1, 16, 100, 270, 700;
-per id: rm2's validation, 1.8 ms for 700 items of 3,840 ids each."""
+                                   12e-9)
+"""Client latency less the server's host and dense stage times, lone queries of 1-700 items over gRPC on
+127.0.0.1 (tritonclient), median of 10 each, busy host: dlrm-mlperf (26 ids an item) 0.86, 0.84, 1.68, 1.84,
+2.16 ms at 1, 16, 100, 270, 700 items; rm2 (3,840 ids an item: 30 KiB of int64 ids, 21 MiB for 700 items)
+9.0, 21.2, 32.7 ms at 100, 270, 700, i.e. 11-20 ns an id (sending, gRPC, decoding and range-checking them)."""
 
 
 def serving_path_file() -> Path:
