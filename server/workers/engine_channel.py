@@ -242,6 +242,10 @@ class EngineClient:
         self.gone: str = ""
         """Why the engine cannot be reached ("" while it can)."""
 
+    def pending(self) -> int:
+        """Requests sent to the engine and not answered yet."""
+        return len(self._pending)
+
     async def connect(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(str(self.folder / ENGINE_SOCKET))
         self._frames = FrameWriter(self._writer)

@@ -25,12 +25,13 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -55,7 +56,7 @@ from sixfold.server.workers.process import READY_PREFIX
 from sixfold.server.workers.siblings import WorkerSet
 from sixfold.server.workers.supervisor import follow_supervisor, worker_ports_line
 
-__all__ = ["FrontEndSpec", "EngineMirror", "FrontEndServicer", "front_end_app", "main"]
+__all__ = ["FrontEndSpec", "EngineMirror", "FrontEndServicer", "front_end_app", "front_end_metrics", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,18 @@ def front_end_app(routes: _FrontEndRoutes) -> Starlette:
     return Starlette(routes=table, exception_handlers={HTTPException: _http_exception})
 
 
+def front_end_metrics(index: int, pending: Callable[[], int]) -> tuple[ServerMetrics, Any]:
+    """A front end's metrics: refusals before the engine (``ServerMetrics``), and the two series of its own
+    the supervisor's page shows per front end: requests answered (the returned counter) and ``pending()``,
+    the requests at the engine now (``sixfold.server.workers.worker_metrics``)."""
+    metrics = ServerMetrics()
+    answered = Counter("sixfold_frontend_requests", "Inference requests each front end passed to the engine and "
+                       "answered", ["frontend"], registry=metrics.registry).labels(str(index))
+    Gauge("sixfold_frontend_pending_requests", "Inference requests each front end has at the engine now",
+          ["frontend"], registry=metrics.registry).labels(str(index)).set_function(pending)
+    return metrics, answered
+
+
 async def _follow_engine(core: EngineMirror, stub: Any) -> None:
     """Keep ``core.engine_ready`` in step with the engine's readiness."""
     while True:
@@ -304,9 +317,7 @@ async def serve(spec: FrontEndSpec) -> int:
         await engine.connect()
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         core = EngineMirror()
-        metrics = ServerMetrics()
-        answered = Counter("sixfold_frontend_requests", "Inference requests each front end passed to the engine and "
-                           "answered", ["frontend"], registry=metrics.registry).labels(str(spec.index))
+        metrics, answered = front_end_metrics(spec.index, engine.pending)
         config = ServerConfig(host=spec.host, grpc_port=spec.grpc_port, http_port=spec.http_port,
                               metrics_port=0 if spec.metrics else None, max_message_bytes=spec.max_message_bytes,
                               tls_cert=spec.tls_cert, tls_key=spec.tls_key,

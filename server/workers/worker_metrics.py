@@ -1,6 +1,6 @@
-"""One /metrics page for all the workers of ``sixfold-serve --workers N``: one process's page.
+"""One /metrics page for all the processes of ``sixfold-serve --workers N``: one process's page.
 
-Each worker serves its own page on a loopback port; the supervisor serves ``--metrics-port`` (with
+The engine and each front end serve their own page on a loopback port (page 0: the engine); the supervisor serves ``--metrics-port`` (with
 the server's TLS and bearer token, as one process would) and answers each scrape with the
 workers' pages merged into the page one process would write: the same names, types and labels,
 so Triton's dashboards, alerts and autoscaling rules (and sixfold's own) read N workers as one.
@@ -13,9 +13,11 @@ so Triton's dashboards, alerts and autoscaling rules (and sixfold's own) read N 
 - The host's ``nv_cpu_*`` and ``sixfold_card_utilization`` are the supervisor's own readings (the
   CPU for the whole host; a card's utilisation from the workers' summed busy time).
 - Other gauges (a worker's own state: its host-dense threshold, its row cache) keep one series per
-  worker, labelled ``worker="I"``. So do ``sixfold_worker_up`` (1 while the worker's page answers),
-  ``sixfold_worker_inference_request_success_total`` and ``sixfold_worker_pending_request_count``,
-  which say how the kernel spread the clients over the workers.
+  worker, labelled ``worker="I"``. So does ``sixfold_worker_up`` (1 while the page answers; worker 0 is
+  the engine). ``sixfold_worker_inference_request_success_total`` and
+  ``sixfold_worker_pending_request_count`` have one series per front end (``worker="1"``..``"N"``):
+  the requests it answered and those it has at the engine now, which say how the kernel spread the
+  clients over the front ends.
 
 A worker whose page does not answer a scrape counts with its last page, so no counter goes back.
 """
@@ -165,6 +167,18 @@ def _from_metric(metric: Metric) -> Family:
     return family
 
 
+_FRONT_END_SERIES = ("sixfold_frontend_requests", "sixfold_frontend_pending_requests")
+"""What a front end's page says of its requests (``sixfold.server.workers.frontend``): answered, at the engine now."""
+
+
+def _total(page: dict[str, Family], name: str) -> float:
+    """The sum of a family's samples (a counter's ``NAME_total``, never its ``_created``); 0 if absent."""
+    family = page.get(name) or page.get(f"{name}_total")
+    if family is None:
+        return 0.0
+    return sum(value for (sample, _), value in family.samples.items() if not sample.endswith("_created"))
+
+
 class WorkersMetrics:
     """The workers' pages as one (``exposition``), for a ``sixfold.server.observability.metrics.MetricsEndpoint``."""
 
@@ -224,8 +238,9 @@ class WorkersMetrics:
         answered = {i: page for i, page in pages}
         for index in range(len(self.ports)):
             page = answered.get(index, {})
-            for family, name in zip(families, ("nv_inference_request_success", "nv_inference_pending_request_count")):
-                family.add_metric([str(index)], sum(page[name].samples.values()) if name in page else 0.0)
+            if index > 0:  # a front end's own counts (page 0, the engine's, holds every model series)
+                for family, name in zip(families, _FRONT_END_SERIES):
+                    family.add_metric([str(index)], _total(page, name))
             families[2].add_metric([str(index)], 1.0 if index in up else 0.0)
         return [_from_metric(f) for f in families]
 

@@ -1,10 +1,13 @@
-"""The supervisor's page from the workers' real /metrics endpoints: one process's names, types and sums."""
+"""The supervisor's page from the engine's and front ends' real /metrics endpoints: one process's names, types, sums."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
 from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.workers.frontend import front_end_metrics
 from sixfold.server.workers.worker_metrics import WorkersMetrics, parse_page
 from tests.server.observability.promql import scrape
 
@@ -22,9 +25,13 @@ def _worker(requests: int, pending: int, dense_rows: int) -> ServerMetrics:
     return metrics
 
 
-def test_counters_and_histograms_are_summed_gauges_merged_or_kept_per_worker():
-    workers = [_worker(3, 2, 16), _worker(5, 1, 32)]
-    ports = [w.serve("127.0.0.1", 0) for w in workers]
+def test_the_engines_series_and_the_front_ends_counts_make_one_page():
+    engine = _worker(8, 3, 16)
+    front_ends = [front_end_metrics(1, lambda: 2), front_end_metrics(2, lambda: 1)]
+    front_ends[0][1].inc(3)
+    front_ends[1][1].inc(5)
+    pages = [engine] + [metrics for metrics, _ in front_ends]
+    ports = [p.serve("127.0.0.1", 0) for p in pages]
     try:
         page = WorkersMetrics(ports).exposition().decode()
         types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", page, re.M))
@@ -32,26 +39,30 @@ def test_counters_and_histograms_are_summed_gauges_merged_or_kept_per_worker():
         version = frozenset({("model", "rm2"), ("version", "1"), ("pod", "p")})
         model = frozenset({("model", "rm2"), ("pod", "p")})
         assert types["nv_inference_request_success"] == "counter" and "nv_inference_request_success_total" not in types
-        assert s["nv_inference_request_success"] == {version: 8}
+        assert s["nv_inference_request_success"] == {version: 8}  # the engine's: the front ends hold no model
         assert s["nv_inference_count"] == {version: 32}
-        assert s["nv_inference_request_duration_us"][version] == 8 * 3000.0
+        assert s["nv_inference_request_duration_us"][version] == pytest.approx(8 * 3000.0)
         assert s["nv_inference_pending_request_count"] == {version: 3}
-        assert s["nv_inference_request_failure"][version | {("reason", "REJECTED"), ("sixfold_reason", "overloaded")}] == 2
+        assert s["nv_inference_request_failure"][version | {("reason", "REJECTED"), ("sixfold_reason", "overloaded")}] == 1
         assert s["sixfold_inference_request_success_total"] == {model: 8}
         assert s["sixfold_request_duration_seconds_count"] == {model: 8}
         assert s["sixfold_request_duration_seconds_bucket"][model | {("le", "0.005")}] == 8
         created = s["sixfold_inference_request_failure_created"][frozenset({("model", "rm2"), ("reason", "overloaded"),
                                                                            ("pod", "p")})]
-        assert created == min(parse_page(w.exposition().decode())["sixfold_inference_request_failure_created"]
-                              .samples.popitem()[1] for w in workers)
-        assert s["sixfold_host_dense_max_rows"] == {model | {("worker", "0")}: 16, model | {("worker", "1")}: 32}
+        assert created == parse_page(engine.exposition().decode())["sixfold_inference_request_failure_created"] \
+            .samples.popitem()[1]
+        assert s["sixfold_host_dense_max_rows"] == {model | {("worker", "0")}: 16}
         assert set(s["nv_cpu_utilization"]) == {frozenset(TARGET.items())}   # the supervisor's own, unlabelled
-        assert s["sixfold_worker_inference_request_success_total"] == {
-            frozenset({("worker", "0"), ("pod", "p")}): 3, frozenset({("worker", "1"), ("pod", "p")}): 5}
-        assert s["sixfold_worker_pending_request_count"][frozenset({("worker", "1"), ("pod", "p")})] == 1
+        assert s["sixfold_frontend_requests_total"] == {frozenset({("frontend", "1"), ("pod", "p")}): 3,
+                                                        frozenset({("frontend", "2"), ("pod", "p")}): 5}
+        assert s["sixfold_worker_inference_request_success_total"] == {  # per front end; worker 0 is the engine
+            frozenset({("worker", "1"), ("pod", "p")}): 3, frozenset({("worker", "2"), ("pod", "p")}): 5}
+        assert s["sixfold_worker_pending_request_count"] == {
+            frozenset({("worker", "1"), ("pod", "p")}): 2, frozenset({("worker", "2"), ("pod", "p")}): 1}
+        assert set(dict(labels)["worker"] for labels in s["sixfold_worker_up"]) == {"0", "1", "2"}
     finally:
-        for w in workers:
-            w.close()
+        for p in pages:
+            p.close()
 
 
 def test_a_worker_that_stops_answering_keeps_its_counts_and_is_marked_down():
