@@ -77,14 +77,21 @@ def _check_finite(dense: np.ndarray) -> None:
 def validate_request(inputs: dict[str, np.ndarray], specs: Sequence[InputSpec],
                      table_rows: Sequence[int] | None, allow_nonfinite: bool = False) -> int:
     """Validate in place; returns the number of items (rows) in the request."""
-    if len(inputs) != len(specs) or any(s.name not in inputs for s in specs):
+    if len(inputs) != len(specs):
         _check_names(inputs, specs)
     for spec in specs:
-        array = inputs[spec.name]
+        # NOTE: one lookup per input checks its name and fetches it (as many inputs as specs, each
+        # spec's name present: then no name is unknown), with no pass over the names first; a
+        # datatype or shape error checks the names before it is raised, so a name error still comes first.
+        array = inputs.get(spec.name)
+        if array is None:
+            _check_names(inputs, specs)  # raises: a name is unknown or missing
         if array.dtype != spec.dtype and array.dtype not in spec._also_dtypes:
+            _check_names(inputs, specs)
             expected = " or ".join((spec.datatype, *spec.also))
             raise InvalidInput(f"input '{spec.name}': datatype {_name(array)} but the model expects {expected}")
         if not spec.matches(array.shape):
+            _check_names(inputs, specs)
             raise _shape_mismatch(spec, array)
 
     dense, lengths, ids = inputs[DENSE], inputs[LENGTHS], inputs[INDICES]

@@ -91,6 +91,12 @@ def test_typed_contents_count_mismatch_and_bad_datatype() -> None:
     (lambda r: r.update(sparse_indices=np.array([10, 19, 0, 5], np.int64)), r"id 10 at position 0 .* table 0"),
     (lambda r: r.update(extra=np.zeros(1, np.float32)), r"unknown input\(s\) \['extra'\]"),
     (lambda r: r.pop("sparse_lengths"), "missing input 'sparse_lengths'"),
+    # As many inputs as the model takes, one of them unknown: the name is reported before another
+    # input's wrong datatype or shape (validate_request looks names up as it checks each input).
+    (lambda r: r.update(dense_features=r["dense_features"].astype(np.float64), extra=r.pop("sparse_indices")),
+     r"unknown input\(s\) \['extra'\]"),
+    (lambda r: r.update(dense_features=np.zeros((2, 4), np.float32), extra=r.pop("sparse_indices")),
+     r"unknown input\(s\) \['extra'\]"),
 ])
 @pytest.mark.parametrize("path", ["lists", "numpy"])
 def test_invalid_requests_name_the_field(mutate, message: str, path: str, monkeypatch) -> None:
