@@ -243,6 +243,20 @@ def encode_response(model: str, version: str, request_id: str, outputs: Mapping[
     """Outputs as raw_output_contents (what tritonclient and perf_analyzer read); those named in
     ``regions`` are written into their shared memory region instead, and carry an empty entry so
     that raw_output_contents stays one entry per output."""
+    if not regions:
+        # NOTE: every request of a model and size has the same output metadata: it is copied from a
+        # response made once (one upb copy, ~1 us) instead of set field by field (~2.5 us a request).
+        key = (model, version, *[(name, array.dtype, array.shape) for name, array in outputs.items()])
+        template = _RESPONSE_TEMPLATES.get(key)
+        if template is None:
+            template = _response_template(key, model, version, outputs)
+        response = service_pb2.ModelInferResponse()
+        response.CopyFrom(template)
+        response.id = request_id
+        raw = response.raw_output_contents
+        for array in outputs.values():
+            raw.append(array.tobytes())  # C order, whatever the array's strides
+        return response
     response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=request_id)
     for name, array in outputs.items():
         out = response.outputs.add()
@@ -260,3 +274,25 @@ def encode_response(model: str, version: str, request_id: str, outputs: Mapping[
                 out.parameters[key].int64_param = value
         response.raw_output_contents.append(b"")
     return response
+
+
+_RESPONSE_TEMPLATES: dict[tuple, service_pb2.ModelInferResponse] = {}
+_MAX_RESPONSE_TEMPLATES = 1024
+"""Response templates kept (model, version, each output's name, dtype and shape): a few per model in
+practice (one per batch size a client sends); past the bound the cache starts afresh."""
+
+
+def _response_template(key: tuple, model: str, version: str,
+                       outputs: Mapping[str, np.ndarray]) -> service_pb2.ModelInferResponse:
+    """The response to ``outputs`` without an id or raw contents, made once per key (raises
+    InvalidInput for an unsupported dtype, as every request of that key would)."""
+    template = service_pb2.ModelInferResponse(model_name=model, model_version=version)
+    for name, array in outputs.items():
+        out = template.outputs.add()
+        out.name = name
+        out.datatype = datatype_of(array)
+        out.shape.extend(array.shape)
+    if len(_RESPONSE_TEMPLATES) >= _MAX_RESPONSE_TEMPLATES:
+        _RESPONSE_TEMPLATES.clear()
+    _RESPONSE_TEMPLATES[key] = template
+    return template

@@ -140,3 +140,46 @@ def test_encode_response_round_trips() -> None:
     response = encode_response("m", "1", "abc", {"scores": scores})
     assert response.outputs[0].datatype == "FP32" and list(response.outputs[0].shape) == [4, 1]
     np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], np.float32).reshape(4, 1), scores)
+
+
+def _field_by_field(model: str, version: str, request_id: str, outputs: dict) -> service_pb2.ModelInferResponse:
+    """The response as the protocol defines it, built field by field (what encode_response's templates must equal)."""
+    names = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int64): "INT64"}
+    response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    for name, array in outputs.items():
+        response.outputs.add(name=name, datatype=names[array.dtype], shape=list(array.shape))
+        response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+    return response
+
+
+def test_encode_response_is_the_same_for_every_request_of_a_size_and_any_strides() -> None:
+    """Responses copied from a cached template carry each request's own id and bytes, and a new
+    template for a new size, dtype, model or version; a transposed (non-contiguous) output is sent in C order."""
+    rng = np.random.default_rng(0)
+    cases = [("m", "1", {"scores": rng.random((4, 1), dtype=np.float32)}),
+             ("m", "1", {"scores": rng.random((4, 1), dtype=np.float32)}),  # same key, other bytes
+             ("m", "1", {"scores": rng.random((2, 1), dtype=np.float32)}),
+             ("m", "2", {"scores": rng.random((2, 1), dtype=np.float32)}),
+             ("n", "1", {"scores": rng.random((2, 1)), "ids": np.arange(6, dtype=np.int64).reshape(2, 3)}),
+             ("n", "1", {"scores": rng.random((3, 2), dtype=np.float32).T})]
+    for i, (model, version, outputs) in enumerate(cases):
+        for request_id in (f"r{i}", ""):
+            got = encode_response(model, version, request_id, outputs)
+            assert got == _field_by_field(model, version, request_id, outputs)
+
+
+def test_encode_response_refuses_an_unsupported_output_dtype_every_time() -> None:
+    for _ in range(2):  # a failed template is not kept
+        with pytest.raises(InvalidInput, match="unsupported output dtype complex64"):
+            encode_response("m", "1", "x", {"scores": np.zeros((1, 1), np.complex64)})
+
+
+def test_encode_response_templates_stay_bounded(monkeypatch) -> None:
+    from sixfold.server.protocol import codec
+
+    monkeypatch.setattr(codec, "_MAX_RESPONSE_TEMPLATES", 4)
+    monkeypatch.setattr(codec, "_RESPONSE_TEMPLATES", {})
+    for rows in range(1, 11):  # ten sizes through a cache of four
+        outputs = {"scores": np.full((rows, 1), rows, np.float32)}
+        assert encode_response("m", "1", str(rows), outputs) == _field_by_field("m", "1", str(rows), outputs)
+        assert len(codec._RESPONSE_TEMPLATES) <= 4
