@@ -1,0 +1,120 @@
+"""The request path's own stages, one at a time: microseconds each for one small request.
+
+``bench/serving_path.py`` gives the event loop's CPU per request for the whole path; this says which
+stage of it costs what, so a change to one stage can be judged on its own (issue 35). Each stage is the
+real function on a real request: a ModelInferRequest built as tritonclient builds it (``--items``
+items of ``--model``), the model loaded as ``sixfold-serve`` loads it (simulated cards). Stages:
+
+  parse      ``parse_model_infer`` (the ModelInfer deserializer: protobuf for small messages)
+  decode     ``decode_inputs`` (protobuf tensors -> numpy views)
+  params     ``request_timeout``, ``request_priority``, ``requested_outputs`` (the request's parameters)
+  validate   ``validate_request`` (names, dtypes, shapes, lengths, ids against the tables)
+  encode     ``encode_response`` (outputs -> ModelInferResponse)
+  serialize  ``SerializeToString`` of that response (what grpc does with it)
+  stats      ``ModelStats.record_success`` and the Prometheus ``record_success`` of one request
+
+Each figure is the fastest of ``--repeat`` timings of ``--number`` calls (the least disturbed one: on a
+shared host the others are the host's noise, not the code's). The batcher, the stages of a batch and
+gRPC itself are not here: they are shared by a batch or are not Python, and ``serving_path.py`` and
+``serving_overhead.py`` (CPU per request) measure them.
+
+    .venv/bin/python bench/request_path_stages.py
+    .venv/bin/python bench/request_path_stages.py --items 16 --number 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+class _NoDeadline:
+    """What ``request_timeout`` reads of a grpc.aio ServicerContext: no deadline set."""
+
+    def time_remaining(self) -> None:
+        return None
+
+
+def stages(model: str, items: int) -> dict[str, Callable[[], object]]:
+    """Each stage as a call on one real request of ``items`` items to ``model``, by name."""
+    from bench.serving_path import _requests
+    from sixfold.server.loading.loader import load_builtin
+    from sixfold.server.model.validation import validate_request
+    from sixfold.server.observability.metrics import ServerMetrics
+    from sixfold.server.protocol.codec import (decode_inputs, encode_response, request_priority, request_timeout,
+                                               requested_outputs)
+    from sixfold.server.protocol.infer_request import parse_model_infer
+    from sixfold.server.scheduling.batcher import BatchingConfig
+
+    served = load_builtin(model, max_rows=None, seed=0, cards=6, backend="simcard", card_spec="m2-card",
+                          metrics=ServerMetrics(), batching=BatchingConfig())
+    request = _requests(model, items)[0]
+    wire = request.SerializeToString()
+    inputs = decode_inputs(request)
+    rows = validate_request(inputs, served.input_specs, served.table_rows)
+    outputs = {t.name: _zeros(t, rows) for t in served.plan.outputs}  # the model's outputs, as it answers
+    response = encode_response(served.name, served.version, "bench", outputs)
+    context = _NoDeadline()
+
+    def params() -> None:
+        request_timeout(request, context)
+        request_priority(request)
+        requested_outputs(request)
+
+    def stats() -> None:
+        served.stats.record_success(1e-3, 1e-4, 1e-4, 1e-4, 1e-4, rows)
+        served._metrics.record_success(rows, 1e-3, 1e-4, 1e-4, 1e-4)
+
+    return {
+        "parse": lambda: parse_model_infer(wire),
+        "decode": lambda: decode_inputs(request),
+        "params": params,
+        "validate": lambda: validate_request(inputs, served.input_specs, served.table_rows),
+        "encode": lambda: encode_response(served.name, served.version, "bench", outputs),
+        "serialize": response.SerializeToString,
+        "stats": stats,
+    }
+
+
+def _zeros(tensor, rows: int):
+    import numpy as np
+
+    from sixfold.server.protocol.codec import DTYPES
+
+    return np.zeros((rows, *tensor.shape[1:]), DTYPES[tensor.datatype])
+
+
+def measure(calls: dict[str, Callable[[], object]], number: int, repeat: int) -> dict[str, float]:
+    """Microseconds per call of each stage: the fastest of ``repeat`` timings of ``number`` calls."""
+    return {name: min(timeit.repeat(call, number=number, repeat=repeat)) / number * 1e6
+            for name, call in calls.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="built-in model (default tiny)")
+    parser.add_argument("--items", type=int, default=1, help="items per request (default 1)")
+    parser.add_argument("--number", type=int, default=50000, help="calls per timing (default 50000)")
+    parser.add_argument("--repeat", type=int, default=5, help="timings per stage; the fastest counts (default 5)")
+    parser.add_argument("--no-write", action="store_true", help="accepted for bench/run_all.py; this bench only prints")
+    args = parser.parse_args(argv)
+    if args.items < 1 or args.number < 1 or args.repeat < 1:
+        parser.error("--items, --number and --repeat must be at least 1")
+    figures = measure(stages(args.model, args.items), args.number, args.repeat)
+    print(f"request path stages ({args.model}, {args.items} item(s)/request; fastest of {args.repeat} x "
+          f"{args.number} calls), us per request:")
+    for name, us in figures.items():
+        print(f"  {name:10s} {us:7.2f}")
+    print(f"  {'total':10s} {sum(figures.values()):7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

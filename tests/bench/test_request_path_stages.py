@@ -1,0 +1,28 @@
+"""bench/request_path_stages.py: every stage of a real tiny request is timed and printed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "request_path_stages.py"
+STAGES = ("parse", "decode", "params", "validate", "encode", "serialize", "stats")
+
+
+def test_each_stage_gets_a_time_and_the_total_is_their_sum() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "20", "--repeat", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s+(\w+)\s+([\d.]+)$", proc.stdout, re.M)}
+    assert set(figures) == {*STAGES, "total"}, proc.stdout
+    assert all(figures[s] > 0 for s in STAGES), figures
+    assert abs(figures["total"] - sum(figures[s] for s in STAGES)) < 0.05
+
+
+def test_a_count_below_one_is_refused_naming_the_flags() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--number" in proc.stderr
