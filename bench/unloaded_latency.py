@@ -138,6 +138,19 @@ def stage_medians(records: list[list[float]], warmup: int, n: int, sizes: list[i
     return out
 
 
+def path_medians(records: list[list[float]], served: dict[int, list[float]], warmup: int,
+                 sizes: list[int]) -> dict[int, float]:
+    """Per size, the median over requests of each one's client latency less its own host and dense stage times
+    (seconds): the serving path, taken request by request so a stage slowed by another process is not counted."""
+    out = {}
+    n = len(next(iter(served.values()))) if served else 0
+    for k, size in enumerate(sizes):
+        chunk = records[k * (warmup + n) + warmup:(k + 1) * (warmup + n)]
+        if len(chunk) == len(served[size]):
+            out[size] = statistics.median(t - r[4] - r[5] for t, r in zip(served[size], chunk))
+    return out
+
+
 def simulate_lone(model: str, max_rows: int, layout: list[str], size: int, duration_s: float = 30.0) -> float:
     """sixfold-simulate's p50 (ms) for ``size``-item queries at 1 q/s: each query alone."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(model, args.max_rows, serve_flags)
         try:
             served = serve_lone(server.url, model, args.max_rows, sizes, args.n)
-            stages = stage_medians(server.records(), 3, args.n, sizes)
+            records = server.records()
+            stages = stage_medians(records, 3, args.n, sizes)
+            paths = path_medians(records, served, 3, sizes)
         finally:
             server.stop()
         plan = server.plan
@@ -202,9 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                    "plan_ratio": planned / got if planned else None, "sim_ratio": sim / got if sim else None,
                    "stages_ms": stages[size]}
             results.append(row)
-            if stages[size]:
-                path_points.append((size, (got - stages[size]["host"] - stages[size]["card"]) / 1e3,
-                                    float(sum(models.get_config(model).pooling))))
+            if size in paths:
+                path_points.append((size, paths[size], float(sum(models.get_config(model).pooling))))
             fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}"  # noqa: E731
             ratio = lambda v: f"{v:6.2f}" if v is not None else f"{'-':>6}"  # noqa: E731
             st = " ".join(f"{k} {v:.2f}" for k, v in stages[size].items() if k != "server")

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from bench.unloaded_latency import Server, _layout_flags, plan_latency_ms, serve_lone, stage_medians
+from bench.unloaded_latency import Server, _layout_flags, path_medians, plan_latency_ms, serve_lone, stage_medians
 
 
 def test_the_plan_prices_a_served_lone_query_within_3x_and_the_stages_are_timed() -> None:
@@ -15,7 +15,9 @@ def test_the_plan_prices_a_served_lone_query_within_3x_and_the_stages_are_timed(
     server = Server("dlrm-mlperf", 2000, _layout_flags("auto", None)[0])
     try:
         served = serve_lone(server.url, "dlrm-mlperf", 2000, sizes, n)
-        stages = stage_medians(server.records(), 3, n, sizes)
+        records = server.records()
+        stages = stage_medians(records, 3, n, sizes)
+        paths = path_medians(records, served, 3, sizes)
     finally:
         server.stop()
     assert server.proc.poll() is not None
@@ -26,6 +28,7 @@ def test_the_plan_prices_a_served_lone_query_within_3x_and_the_stages_are_timed(
         assert planned is not None and got / 3 < planned < got * 3, (size, planned, got)
         # the server's own stage times fit inside what the client waited
         assert 0 < stages[size]["card"] < got and stages[size]["server"] < got
+        assert 0 < paths[size] * 1e3 < got  # the serving path, request by request: part of what was waited
 
 
 def test_the_layout_flags_match_between_serve_and_simulate() -> None:
