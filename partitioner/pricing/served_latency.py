@@ -3,7 +3,7 @@
 The plan's batch time (host stage + dense stage of ``batch_rows`` items) is not what a client waits for. A
 lone query on an idle server also pays the serving path around the stages: decode, validation, the batcher's
 hand-off, splitting the outputs back, encode, and gRPC both ways. Measured on this project's 2-core VM
-(``bench/unloaded_latency.py``), that path is ~1 ms plus ~2 us an item plus ~12 ns a looked-up id (the ids
+(``bench/unloaded_latency.py``), that path is ~1.5 ms plus ~1 us an item plus ~9 ns a looked-up id (the ids
 dominate a request's bytes: rm2's 700-item query carries 21 MiB of them), 5-50% of a lone query's time. The
 batching window is not paid: with ``all_in_dispatch`` (the default) an idle batcher dispatches at once.
 
@@ -42,12 +42,11 @@ class ServingPath:
         return self.fixed_s + (self.per_item_s + self.per_id_s * ids_per_item) * rows
 
 
-DEFAULT_SERVING_PATH = ServingPath(1.0e-3, 1.8e-6, "default (measured on the 2-core development VM, 2026-11-27)",
-                                   12e-9)
-"""Client latency less the server's host and dense stage times, lone queries of 1-700 items over gRPC on
-127.0.0.1 (tritonclient), median of 10 each, busy host: dlrm-mlperf (26 ids an item) 0.86, 0.84, 1.68, 1.84,
-2.16 ms at 1, 16, 100, 270, 700 items; rm2 (3,840 ids an item: 30 KiB of int64 ids, 21 MiB for 700 items)
-9.0, 21.2, 32.7 ms at 100, 270, 700, i.e. 11-20 ns an id (sending, gRPC, decoding and range-checking them)."""
+DEFAULT_SERVING_PATH = ServingPath(1.46e-3, 1.16e-6, "default (measured on the 2-core development VM, 2026-11-27)",
+                                   9.14e-9)
+"""``bench/unloaded_latency.py --calibrate`` on the development VM (load average 3.2-3.6): lone dlrm-mlperf (26 ids
+an item) and rm2 (3,840 ids an item: 30 KiB of int64 ids, 21 MiB for 700 items) queries of 1-700 items over gRPC
+on 127.0.0.1 (tritonclient), 10 each; per request, its client latency less its own host and dense stage times."""
 
 
 def serving_path_file() -> Path:
