@@ -218,6 +218,8 @@ class SixfoldServer:
         server = self._server = grpc.aio.server(options=options)
         servicer = self._servicer or InferenceServicer(self.core, control_token=self.config.control_token,
                                                        metrics=self.metrics)
+        if servicer.receive_budget is None:  # NOTE: ModelStreamInfer's requests hold the unary calls' budget too
+            servicer.receive_budget = self.receive_budget
         # NOTE: ModelInfer's own handler first (grpc asks handlers in order): its deserializer keeps the raw
         # tensors as views of the message instead of copying them twice (sixfold.server.protocol.infer_request)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {

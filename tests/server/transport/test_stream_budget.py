@@ -138,3 +138,23 @@ def test_a_stream_without_a_budget_holds_every_request(rm1) -> None:
         got = _stream(client, inputs, 10)
         assert sorted(kind for kind, _ in got.values()) == ["OK"] * 10
         assert budget.peak > 1 * MIB / 2 and budget.held == 0 and budget.refused == 0
+
+
+def test_sixfold_serve_bounds_streams_with_its_max_queue_bytes() -> None:
+    """The served path: ``sixfold-serve --max-queue-bytes-mb 1`` gives its streams the same budget."""
+    from tests.conftest import ServeProcess
+
+    request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=200), seed=6).make(150)
+    serve = ServeProcess("--model", "rm1", "--max-rows", "200", "--max-queue-bytes-mb", "1", "--grpc-port", "0",
+                         "--metrics-port", "-1")
+    try:
+        assert serve.url, serve.output
+        with tc.InferenceServerClient(serve.url) as client:
+            got = _stream(client, _inputs(request), 40, within_s=60)
+            assert len(got) == 40, f"{len(got)} of 40 answered"
+            refused = [m for kind, m in got.values() if kind == "ERROR"]
+            assert refused and all("RESOURCE_EXHAUSTED" in m and "--max-queue-bytes-mb" in m for m in refused), \
+                refused[:1]
+            assert any(kind == "OK" for kind, _ in got.values())
+    finally:
+        serve.kill()
