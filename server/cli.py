@@ -636,6 +636,11 @@ def _lone_query(served: Any, plan: Any) -> Any:
     if not plan.estimates.served:
         return None
     lone = ServedLatency.from_dict(plan.estimates.served)
+    est = plan.estimates
+    host_batch = sum(d.batch_seconds for d in est.per_device if d.device == "host")
+    priced = lone.terms(est.batch_rows)["host"]
+    if priced > 0 and host_batch > 0 and abs(host_batch / priced - 1) > 1e-6:  # tiered or sharded: as the plan says
+        lone = dataclasses.replace(lone, host=tuple((r, s * host_batch / priced) for r, s in lone.host))
     pooling = plan.tables.get("pooling") or []
     if pooling and not lone.ids_per_item:
         lone = dataclasses.replace(lone, ids_per_item=float(sum(pooling)))
