@@ -72,11 +72,11 @@ def _cmdline(pid: int) -> list[str]:
 
 def _server_args(words: list[str]) -> list[str] | None:
     """The arguments after the ``sixfold-serve`` program (run directly, or as ``python .../sixfold-serve``);
-    None for another program, or for a worker sixfold-serve started itself (``--as-worker``)."""
+    None for another program, or for the engine sixfold-serve --workers starts itself (``--as-engine``)."""
     for k, word in enumerate(words[:2]):
         if Path(word).name == SERVER:
             rest = words[k + 1:]
-            return None if any(w == "--as-worker" or w.startswith("--as-worker=") for w in rest) else rest
+            return None if any(w == "--as-engine" or w.startswith("--as-engine=") for w in rest) else rest
     return None
 
 

@@ -12,7 +12,7 @@ Sub-packages, each importing only those listed after it (``errors`` is below the
     execution/     one batch through a plan: host stage, dense stage on a card, card health
     scheduling/    admission, the dynamic batcher, the card gate, the router
     protocol/      KServe v2 tensors <-> numpy (gRPC, REST, shared memory)
-    workers/       ``--workers N``: the supervisor, the siblings, one metrics page
+    workers/       ``--workers N``: the supervisor, one engine under N front ends, one metrics page
     observability/ Prometheus metrics, Triton-shaped statistics, logs
     memory/        the process's allocator and garbage-collector settings
 """

@@ -34,7 +34,7 @@ from sixfold.server.transport.grpc_receive import bounded_model_infer, sized_mod
 from sixfold.server.transport.limits import TransportLimits, grpc_options
 from sixfold.server.transport.receive_budget import ReceiveBudget
 from sixfold.server.workers.engine_channel import ENGINE_GRPC_SOCKET, EngineChannel
-from sixfold.server.workers.siblings import WorkerSet
+from sixfold.server.workers.worker_set import WorkerSet
 from sixfold.server.model.warmup import warm_up
 
 __all__ = ["ServerConfig", "SixfoldServer", "BackgroundServer", "PortError", "check_ports", "port_problem"]

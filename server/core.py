@@ -5,14 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from sixfold.server.errors import ModelNotFound, Unavailable, clip
 from sixfold.server.model.served import ServedModel
 from sixfold.server.protocol.shared_memory import SharedMemoryRegistry
-
-if TYPE_CHECKING:  # the core holds its siblings; only the front ends' setup makes them (transport code)
-    from sixfold.server.workers.siblings import Siblings
 
 __all__ = ["InferenceCore"]
 
@@ -45,14 +41,7 @@ class InferenceCore:
         """A ModelControl when the server has a model repository (RepositoryIndex/Load/Unload)."""
         self.shared_memory: SharedMemoryRegistry | None = SharedMemoryRegistry()
         """System shared memory regions clients registered (Triton's extension); None: refused."""
-        self.siblings: Siblings | None = None
-        """The other workers of this server (``sixfold-serve --workers N``); None: this process alone."""
         self._was_ready: dict[tuple[str, str, int], bool] = {}
-
-    async def tell_siblings(self, method: str, request: object) -> None:
-        """After this worker changed what it holds: make the same change in every sibling worker."""
-        if self.siblings is not None:
-            await self.siblings.tell(method, request)
 
     def rpc_started(self) -> None:
         self.active_rpcs += 1

@@ -86,13 +86,6 @@ class DeltaNotStored(ServingError):
     reason = "delta_not_stored"
 
 
-class DeltasNeedOneWorker(InvalidInput):
-    """A delta sent to a server of several workers: each holds its own tables and the log is written once."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "delta_needs_one_worker"
-
-
 @dataclass
 class _Entry:
     name: str
@@ -497,10 +490,6 @@ def _remove_stale_uploads() -> None:
 
 async def serve_request(core: Any, name: str, request: tuple[str, Any]) -> dict[str, Any]:
     """Carry out ``delta_request``'s answer for model ``name``."""
-    if getattr(core, "siblings", None) is not None:
-        raise DeltasNeedOneWorker(f"model '{name}': table deltas need a server of one worker (this one runs "
-                                  f"{core.siblings.workers.count}: each holds its own copy of the tables, and one "
-                                  "delta log is kept per version); serve with --workers 1 to apply deltas")
     kind, arg = request
     if kind == "rollback":
         return await rollback(core, name, arg)

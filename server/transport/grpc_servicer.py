@@ -27,7 +27,6 @@ from sixfold.server.loading.model_config import to_model_config
 from sixfold.server.loading.model_control import authorized_control, check_change_parameters
 from sixfold.server.protocol.shared_memory import check_local_peer, enabled, grpc_peer_host
 from sixfold.server.transport.receive_budget import ReceiveBudget
-from sixfold.server.workers.siblings import from_sibling
 
 __all__ = ["InferenceServicer"]
 
@@ -86,11 +85,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """The ModelControl, after checking that model control is on and the caller may use it."""
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
         return authorized_control(self.core, given, self.control_token, changes=changes)
-
-    async def _tell_siblings(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> None:
-        """A change this worker made, made in the other workers too (unless a sibling told it to this one)."""
-        if self.core.siblings is not None and not from_sibling(context.invocation_metadata()):
-            await self.core.tell_siblings(method, request)
 
     @_grpc_errors
     async def ServerLive(self, request, context):
@@ -160,7 +154,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         else:
             check_change_parameters("load", request.parameters)  # as REST: a config override is refused
             await control.load(request.model_name)
-            await self._tell_siblings(context, "RepositoryModelLoad", request)
         return service_pb2.RepositoryModelLoadResponse()
 
     @_grpc_errors
@@ -170,7 +163,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         control = self._control(context, changes=True)
         check_change_parameters("unload", request.parameters)
         await control.unload(request.model_name)
-        await self._tell_siblings(context, "RepositoryModelUnload", request)
         return service_pb2.RepositoryModelUnloadResponse()
 
     @_grpc_errors
@@ -178,7 +170,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         registry = enabled(self.core.shared_memory)
         check_local_peer(grpc_peer_host(context.peer() or ""))
         registry.register(request.name, request.key, request.offset, request.byte_size)
-        await self._tell_siblings(context, "SystemSharedMemoryRegister", request)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     @_grpc_errors
@@ -186,7 +177,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         registry = enabled(self.core.shared_memory)
         check_local_peer(grpc_peer_host(context.peer() or ""), "unregistration")  # guarded like Register
         registry.unregister(request.name)
-        await self._tell_siblings(context, "SystemSharedMemoryUnregister", request)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     @_grpc_errors

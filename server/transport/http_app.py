@@ -23,7 +23,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from tritonclient.grpc import service_pb2
 
 from sixfold import __version__
 from sixfold.server.deltas import delta_log as deltas
@@ -267,9 +266,7 @@ class _Routes:
         key = body.get("key")
         if not isinstance(key, str):
             raise InvalidInput(f"register: 'key' must be a string, got {clip(repr(key))}")
-        status = registry.register(request.path_params["region"], key, body.get("offset", 0), body.get("byte_size"))
-        await self.core.tell_siblings("SystemSharedMemoryRegister", service_pb2.SystemSharedMemoryRegisterRequest(
-            name=status.name, key=status.key, offset=status.offset, byte_size=status.byte_size))
+        registry.register(request.path_params["region"], key, body.get("offset", 0), body.get("byte_size"))
         return Response(status_code=200)
 
     @_rest_errors
@@ -278,8 +275,6 @@ class _Routes:
         check_local_peer(request.client.host if request.client else None, "unregistration")  # as shm_register
         region = request.path_params.get("region", "")
         registry.unregister(region)
-        await self.core.tell_siblings("SystemSharedMemoryUnregister",
-                                      service_pb2.SystemSharedMemoryUnregisterRequest(name=region))
         return Response(status_code=200)
 
     @_rest_errors
@@ -303,11 +298,8 @@ class _Routes:
         check_change_parameters(action, parameters)
         if action == "load":
             await control.load(name)
-            await self.core.tell_siblings("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name=name))
         else:
             await control.unload(name)
-            await self.core.tell_siblings("RepositoryModelUnload",
-                                          service_pb2.RepositoryModelUnloadRequest(model_name=name))
         return Response(status_code=200)
 
     @_rest_errors

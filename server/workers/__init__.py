@@ -1,1 +1,1 @@
-"""One server as N processes on one port: the supervisor, the siblings, one metrics page."""
+"""One server as N front-end processes on one port over one engine: the supervisor, the channel, one metrics page."""

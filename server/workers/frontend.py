@@ -53,7 +53,7 @@ from sixfold.server.transport.http_app import BodyTooLarge, _http_exception, _na
 from sixfold.server.transport.limits import TransportLimits
 from sixfold.server.workers.engine_channel import ENGINE_GRPC_SOCKET, EngineClient
 from sixfold.server.workers.process import READY_PREFIX
-from sixfold.server.workers.siblings import WorkerSet
+from sixfold.server.workers.worker_set import WorkerSet
 from sixfold.server.workers.supervisor import follow_supervisor, worker_ports_line
 
 __all__ = ["FrontEndSpec", "EngineMirror", "FrontEndServicer", "front_end_app", "front_end_metrics", "main"]

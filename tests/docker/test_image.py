@@ -95,7 +95,7 @@ def test_the_probe_finds_the_server_in_a_command_line():
     assert find(["sixfold-serve", "--http-port", "1"]) == ["--http-port", "1"]  # ENTRYPOINT, exec form
     assert find(["/usr/local/bin/python3.11", "/usr/local/bin/sixfold-serve", "--model", "rm2"]) == ["--model", "rm2"]
     assert find(["/sbin/docker-init", "--", "sixfold-serve"]) is None  # --init: the server is its child
-    assert find(["sixfold-serve", "--as-worker", "/tmp/w:1:2"]) is None  # a worker process, not the server
+    assert find(["sixfold-serve", "--as-engine", "/tmp/w"]) is None  # the engine under --workers, not the server
     assert find(["python", "docker/healthcheck.py"]) is None
 
 
