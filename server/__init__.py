@@ -4,6 +4,7 @@ scheduling -> execution, and back.
 Sub-packages, each importing only those listed after it (``errors`` is below them all):
 
     cli, app       ``sixfold-serve`` and the server process it runs
+    frontend       a ``--workers`` front end: a server process whose inference goes to the engine
     transport/     the gRPC servicer and the REST app over one InferenceCore
     loading/       model names and repositories -> served models; explicit model control
     core           models by name and version, readiness, inference (no transport code)

@@ -80,7 +80,7 @@ class ServerConfig:
     """Accept Triton's system shared memory extension: co-located clients register /dev/shm
     segments and send tensors by region (``sixfold.server.protocol.shared_memory``); False refuses it."""
     workers: WorkerSet | None = None
-    """Set in each front end of ``sixfold-serve --workers N`` (``sixfold.server.workers.frontend``): the ports are
+    """Set in each front end of ``sixfold-serve --workers N`` (``sixfold.server.frontend``): the ports are
     shared with the other front ends (SO_REUSEPORT). None: this process alone binds the port, and a busy port is
     an error."""
     engine_folder: str | None = None

@@ -7,13 +7,13 @@ shared memory (``sixfold.server.workers.engine_channel``), so requests from ever
 the engine's one batcher, and everything else (readiness, metadata, configuration, statistics,
 model control, table deltas, shared memory regions) is forwarded to the engine's own gRPC or REST
 service and answered from its truth. A front end can therefore be restarted at any time and
-answer as its siblings do.
+answer as the other front ends do.
 
 Inference requests whose tensors are in a client's shared memory region, or of BYTES, are forwarded
 to the engine whole (the region's tensors are in shared memory already; BYTES cannot be viewed in place).
 
 Run by the supervisor (``sixfold.server.workers.supervisor``) as
-``python -m sixfold.server.workers.frontend SPEC``, SPEC being a ``FrontEndSpec`` as JSON; the
+``python -m sixfold.server.frontend SPEC``, SPEC being a ``FrontEndSpec`` as JSON; the
 metrics token comes in ``SIXFOLD_METRICS_TOKEN``, never in the process list.
 """
 

@@ -223,7 +223,7 @@ def test_packages_depend_downward_only() -> None:
     assert not wrong, "imports pointing up or sideways:\n" + "\n".join(wrong)
 
 
-SERVER_ORDER = ["cli", "app", "transport", "loading", "core", "deltas", "model", "execution", "scheduling",
+SERVER_ORDER = ["cli", "frontend", "app", "transport", "loading", "core", "deltas", "model", "execution", "scheduling",
                 "protocol", "workers", "observability", "memory", "errors"]
 """server/'s parts from the top down (server/__init__.py); each imports only parts after it."""
 

@@ -2,7 +2,7 @@
 
 One event loop is one Python server's ceiling: decoding, validation and the answer of every request
 run on it, one core's worth at most. With ``--workers N`` the protocol work spreads over N
-front-end processes (``sixfold.server.workers.frontend``) bound to the same gRPC and REST ports with
+front-end processes (``sixfold.server.frontend``) bound to the same gRPC and REST ports with
 SO_REUSEPORT, while the tables, models, batcher and cards live once, in one engine process (a
 ``sixfold-serve`` with ``--as-engine``, on loopback and Unix sockets only). The front ends pass
 tensors to the engine through shared memory (``sixfold.server.workers.engine_channel``), so
@@ -99,7 +99,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
     the exit code.
 
     ``http_port`` / ``metrics_port``: as sixfold-serve takes them (-1: off, 0: free). ``front_end``: the
-    front ends' own settings (``sixfold.server.workers.frontend.FrontEndSpec`` fields: message size, drain,
+    front ends' own settings (``sixfold.server.frontend.FrontEndSpec`` fields: message size, drain,
     arena bytes, transport limits). ``env``: set (None: unset) in the children's environment, on top of this
     one's: secrets such as the tokens go there, not in ``argv``, which every local user can read in the process
     list. The ports were checked by sixfold-serve before it got here (``sixfold.server.app.check_ports``).
@@ -138,7 +138,7 @@ def serve_workers(argv: Sequence[str], count: int, *, host: str, grpc_port: int,
         spec = {**(front_end or {}), "folder": str(folder), "index": index, "count": count, "host": host,
                 "grpc_port": grpc, "http_port": None if http < 0 else http, "engine_http": engine_http,
                 "metrics": metrics_port >= 0, "tls_cert": tls_cert, "tls_key": tls_key}
-        cmd = [sys.executable, "-m", "sixfold.server.workers.frontend", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "sixfold.server.frontend", json.dumps(spec)]
         procs[index] = ReadyProcess(cmd, env=child_env, echo=echo(index), start_new_session=True, timeout_s=0)
         return procs[index]  # type: ignore[return-value]
 

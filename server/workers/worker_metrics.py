@@ -168,7 +168,7 @@ def _from_metric(metric: Metric) -> Family:
 
 
 _FRONT_END_SERIES = ("sixfold_frontend_requests", "sixfold_frontend_pending_requests")
-"""What a front end's page says of its requests (``sixfold.server.workers.frontend``): answered, at the engine now."""
+"""What a front end's page says of its requests (``sixfold.server.frontend``): answered, at the engine now."""
 
 
 def _total(page: dict[str, Family], name: str) -> float:

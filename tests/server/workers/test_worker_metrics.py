@@ -7,7 +7,7 @@ import re
 import pytest
 
 from sixfold.server.observability.metrics import ServerMetrics
-from sixfold.server.workers.frontend import front_end_metrics
+from sixfold.server.frontend import front_end_metrics
 from sixfold.server.workers.worker_metrics import WorkersMetrics, parse_page
 from tests.server.observability.promql import scrape
 
