@@ -26,17 +26,16 @@ MEAN_QUERY_ITEMS = float(np.mean(MLPERF_QUANTILES))  # 270 items
 LARGEST_QUERY = max(MLPERF_QUANTILES)  # 700 items: 1 of the 20 quantiles, so the p99 query
 IDEAL_QUERIES = 50_000  # simulated arrivals per ideal-server search
 FLOOR_QPS = 1.0  # below this a step holds a handful of queries: its p99 means nothing
-SERVERS = ("sixfold", "sixfold-simcard", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "fifo", "mlserver", "triton", "triton-2inst",
+SERVERS = ("sixfold", "sixfold-cpu", "sixfold-shm", "sixfold-nobatch", "sixfold-before", "fifo", "mlserver", "triton", "triton-2inst",
            "triton-batch")
 TRITONS = ("triton", "triton-2inst", "triton-batch")  # bench.harness.peers.TRITON_CONFIGS
 BEST_TRITON = "triton-best"  # per run and bound, the Triton configuration that served the most
-THIS_TREE = ("sixfold", "sixfold-simcard", "sixfold-shm", "sixfold-nobatch")  # the servers that run this checkout's code
+THIS_TREE = ("sixfold", "sixfold-cpu", "sixfold-shm", "sixfold-nobatch")  # the servers that run this checkout's code
 TAKES_IDS_DTYPE = (*THIS_TREE, "fifo")  # --ids-dtype reaches these; the others get INT64 ids
 LABEL = {"offline": "offline (in-process torch, best batch)",
          "ideal": "ideal server (simulated: every query at offline's best speed, FIFO, no overhead)",
          "sixfold": "sixfold (default batching)",
-         "sixfold-simcard": "sixfold, six emulated m2-cards (`--backend simcard --cards 6`: the layout before the "
-                            "CPU-host default)",
+         "sixfold-cpu": "sixfold on the cpu layout (`--backend cpu`: dense on one lane per usable core)",
          "sixfold-shm": "sixfold (default batching), inputs in system shared memory (`--client shm`)",
          "sixfold-nobatch": "sixfold, no batching", "mlserver": "MLServer, adaptive batching",
          "fifo": "FIFO server, measured (`bench/fifo_server.py`: the ideal's policy run here, offline torch, "
@@ -63,7 +62,7 @@ def _median_entry(entries: list[dict[str, Any]], bound: float) -> dict[str, Any]
     return real[(len(real) - 1) // 2]
 
 
-RATIOS = (("sixfold", BEST_TRITON), ("sixfold", "sixfold-simcard"), ("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
+RATIOS = (("sixfold", BEST_TRITON), ("sixfold", "sixfold-cpu"), ("sixfold", "sixfold-nobatch"), ("sixfold", "mlserver"), ("sixfold", "offline"),
           ("sixfold", "ideal"), ("mlserver", "offline"), ("sixfold-nobatch", "offline"),
           ("sixfold-before", "ideal"), ("sixfold", "sixfold-before"), ("sixfold-shm", "ideal"),
           ("sixfold-shm", "sixfold"), ("fifo", "ideal"), ("sixfold", "fifo"), ("sixfold-shm", "fifo"))
@@ -270,8 +269,8 @@ def format_section(summary: dict[str, Any], results: dict[str, Any], args: argpa
         f"query size; the fastest of {args.idle_repeats}) is not searched: no rate can meet it. "
         f"{args.runs} run(s); figures are the median run's, ratios medians of per-run ratios.",
         f"Run order (one server alive at a time): {orders}. sixfold: `sixfold-serve{_cards_flag(args)}{(' --workers ' + str(args.workers)) if args.workers > 1 else ''}{''.join(' ' + a for a in args.serve_arg)}` "
-        f"({'its own layout for this host' if args.cards is None else 'simcard'}; sixfold-simcard: "
-        f"`--backend simcard --cards 6`), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
+        f"({'its own layout for this host' if args.cards is None else 'simcard'}; sixfold-cpu: "
+        f"`--backend cpu`), default batching (1024 rows, 2 ms window) and host-dense fallback at its default "
         f"(auto-tuned); no batching: `--max-batch-rows 1 --max-queue-delay-us 0`, same fallback default. "
         f"MLServer: `bench/mlserver/serve.py --max-batch-size {args.mlserver_batch_size} --max-batch-time "
         f"{args.mlserver_batch_time:g}` (adaptive batching; the runtime runs torch on 1 thread). Triton: "

@@ -13,8 +13,8 @@ after another (one server alive at a time, so none shares the 2 cores with anoth
   sixfold          ``sixfold-serve --model M --max-rows R`` in its own process, at its defaults: the
                    layout it picks for this host (docs/serving.md, "CPU host"), dynamic batching (1024
                    rows, 2 ms window), host-dense fallback tuned from measured latencies
-  sixfold-simcard  the same on six emulated m2-cards (``--backend simcard --cards 6``): the default
-                   layout before the CPU-host one, for the comparison
+  sixfold-cpu      the same on the cpu layout (``--backend cpu``: dense on one lane per usable core),
+                   for the comparison with the default's emulated cards
   sixfold-nobatch  the same with ``--max-batch-rows 1 --max-queue-delay-us 0``: every request is its
                    own batch (a query larger than 1 row runs alone, no window); host-dense fallback
                    at its default too, and up to cards + 1 batches in flight as in ``sixfold``
@@ -125,7 +125,7 @@ from sixfold.loadgen import run_load_async  # noqa: E402
 from sixfold.loadgen.config import IDS_DTYPES  # noqa: E402
 
 CHANNELS_PER_WORKER = 8
-WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-simcard": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
+WIRE_ORDER = {"sixfold": USUAL_ORDER, "sixfold-cpu": USUAL_ORDER, "sixfold-shm": USUAL_ORDER, "sixfold-nobatch": USUAL_ORDER, "sixfold-before": USUAL_ORDER,
               "fifo": USUAL_ORDER, "mlserver": DENSE_LAST, **{name: USUAL_ORDER for name in TRITONS}}
 
 
@@ -221,9 +221,9 @@ def _start(name: str, model: str, args: argparse.Namespace) -> ServerProc:
     if name == "sixfold-before":
         return sixfold_server(model, args.max_rows, args.cards, batching=True, tree=args.baseline_tree,
                               extra=args.serve_arg)
-    if name == "sixfold-simcard":
-        return sixfold_server(model, args.max_rows, 6, batching=True, workers=args.workers,
-                              extra=["--backend", "simcard", *args.serve_arg], name=name)
+    if name == "sixfold-cpu":
+        return sixfold_server(model, args.max_rows, None, batching=True, workers=args.workers,
+                              extra=["--backend", "cpu", *args.serve_arg], name=name)
     return sixfold_server(model, args.max_rows, args.cards, batching=name in ("sixfold", "sixfold-shm"),
                           workers=args.workers, extra=args.serve_arg)
 
@@ -336,7 +336,7 @@ def run_model(model: str, run: int, args: argparse.Namespace, console: Any) -> d
     hi = round(offline["qps"] * 4, 2)
     names = [s for s in SERVERS if not ((s == "mlserver" and args.skip_mlserver)
                                         or (s == "sixfold-nobatch" and args.skip_nobatch)
-                                        or (s == "sixfold-simcard" and args.skip_simcard)
+                                        or (s == "sixfold-cpu" and args.skip_cpu)
                                         or (s == "sixfold-shm" and args.skip_shm)
                                         or (s == "fifo" and args.skip_fifo)
                                         or (s == "sixfold-before" and not args.baseline_tree)
@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triton", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
                    default=TRITONS, help=f"Triton configurations to run (default: {','.join(TRITONS)})")
     p.add_argument("--skip-nobatch", action="store_true", help="leave sixfold without batching out")
-    p.add_argument("--skip-simcard", action="store_true",
-                   help="leave out sixfold on six emulated m2-cards (the layout before the CPU-host default)")
+    p.add_argument("--skip-cpu", action="store_true",
+                   help="leave out sixfold on the cpu layout (--backend cpu)")
     p.add_argument("--fifo-arg", action="append", default=[], metavar="ARG",
                    help="one more bench/fifo_server.py argument, e.g. --fifo-arg=--dense-precision --fifo-arg=int8 "
                         "beside --serve-arg=--dense-precision --serve-arg=int8 (repeatable)")

@@ -235,15 +235,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="read --metrics-token from the first line of PATH (kept out of the process list)")
     cards = p.add_argument_group("cards and placement")
     cards.add_argument("--cards", type=int, default=None,
-                       help="accelerator cards (default: one cpu lane per usable core with --backend auto and no "
-                            "accelerator, else 6; given with auto, emulated simcards; with --model-repository, each "
-                            "version is served on its "
+                       help="accelerator cards (default 6; with --backend cpu: one lane per usable core; with "
+                            "--model-repository, each version is served on its "
                             "plan's cards, and a count or --card-spec that differs from them is refused)")
     cards.add_argument("--backend", default="auto",
                        help="card backend (see --list-backends), or a layout: auto (the default) picks a plug-in "
-                            "accelerator that reports a device, else emulated simcards when --cards or --card-spec is "
-                            "given, else cpu: the dense part on one lane per usable host core (docs/serving.md, "
-                            "'CPU host')")
+                            "accelerator that reports a device, else emulated simcards; cpu: the dense part on one "
+                            "lane per usable host core (docs/serving.md, 'CPU host')")
     cards.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                        help="option for the card backend, value read as JSON when it parses (repeatable)")
     cards.add_argument("--backend-options-file", metavar="JSON",

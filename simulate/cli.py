@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="host spec name or JSON file (default auto: this machine, calibrated on first "
                                "use and cached; host-cpu is a generic server host)")
         plat.add_argument("--cpu-host", action="store_true",
-                          help="price sixfold-serve's cpu layout (its default with no accelerator): the dense part on "
+                          help="price sixfold-serve --backend cpu's layout: the dense part on "
                                "one lane per usable core of this host, each priced as one core calibrated here; "
                                "cards default to the usable cores, and no --card-spec (docs/simulate.md)")
         plat.add_argument("--host-memory-gib", type=float, default=None,

@@ -22,11 +22,15 @@ THREE = UsableCores(count=3, affinity=4, quota=2.5)
 CORE = core_spec_from_host(load_spec("host-calibrated"), threads=2)
 
 
-def test_auto_with_no_accelerator_is_one_lane_per_usable_core() -> None:
-    layout = resolve_layout("auto", infos=discover_from([ORT, SIMCARD, NEEDS_DRIVER]), cores=THREE, core_spec=CORE)
+def test_auto_with_no_accelerator_emulates_cards_and_cpu_by_name_is_one_lane_per_usable_core() -> None:
+    infos = discover_from([ORT, SIMCARD, NEEDS_DRIVER])
+    layout = resolve_layout("auto", infos=infos, cores=THREE, core_spec=CORE)
+    assert (layout.name, layout.backend, layout.cards, layout.on_host) == ("simcard", "simcard", None, False)
+    assert "serve this host better than --backend cpu" in layout.reason
+    layout = resolve_layout(CPU, infos=infos, cores=THREE, core_spec=CORE)
     assert (layout.name, layout.backend, layout.cards, layout.card_spec) == (CPU, LANE_BACKEND, 3, CORE)
     assert layout.on_host
-    assert layout.reason == "no accelerator backend: dense on 3 host cores (affinity 4, cgroup quota 2.5 CPUs)"
+    assert layout.reason == "--backend cpu: dense on 3 lanes of 3 host cores (affinity 4, cgroup quota 2.5 CPUs)"
 
 
 def test_auto_emulates_cards_only_when_cards_or_a_card_spec_are_asked_for() -> None:

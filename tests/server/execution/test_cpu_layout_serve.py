@@ -17,12 +17,13 @@ from tests.conftest import ServeProcess, triton_inputs
 SERVE = Path(sys.executable).parent / "sixfold-serve"
 
 
-def test_the_default_serves_dense_on_the_host_cores_with_exact_scores() -> None:
-    serve = ServeProcess("--model", "tiny", "--max-rows", "500", "--grpc-port", "0", "--metrics-port", "-1")
+def test_the_cpu_layout_serves_dense_on_the_host_cores_with_exact_scores() -> None:
+    serve = ServeProcess("--model", "tiny", "--max-rows", "500", "--backend", "cpu", "--grpc-port", "0",
+                         "--metrics-port", "-1")
     try:
         assert serve.url, serve.output
         cores = usable_cores()
-        assert f"layout cpu: no accelerator backend: dense on {cores.describe()}" in serve.output, serve.output
+        assert "layout cpu: " in serve.output and cores.describe() in serve.output, serve.output
         assert f"tiny (version 1, {cores.count} cpu lanes)" in serve.output
         assert "split a batch across cores" in serve.output  # the measured rule, printed with its times
         model = models.build("tiny", max_rows=500, seed=0)
@@ -35,6 +36,16 @@ def test_the_default_serves_dense_on_the_host_cores_with_exact_scores() -> None:
                                ("dense_features", "sparse_lengths", "sparse_indices")]).numpy()
         np.testing.assert_allclose(scores, expected, atol=1e-5, rtol=0)
         assert parameters["name"] == "tiny"
+    finally:
+        serve.kill()
+
+
+def test_the_default_emulates_cards_and_says_why() -> None:
+    serve = ServeProcess("--model", "tiny", "--max-rows", "500", "--grpc-port", "0", "--metrics-port", "-1")
+    try:
+        assert serve.url, serve.output
+        assert "layout simcard: no accelerator backend: emulated cards" in serve.output, serve.output
+        assert "tiny (version 1, 6 simcard cards)" in serve.output
     finally:
         serve.kill()
 
