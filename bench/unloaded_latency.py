@@ -41,7 +41,7 @@ STAGES = ("decode", "validate", "queue", "host", "card", "finish", "encode")
 def _layout_flags(backend: str, cards: int | None) -> tuple[list[str], list[str]]:
     """The same layout as sixfold-serve flags and as sixfold-simulate flags."""
     serve = ["--backend", backend] + (["--cards", str(cards)] if cards else [])
-    if backend in ("auto", "cpu") and not cards:
+    if backend == "cpu" and not cards:  # NOTE: auto resolves to emulated cards, as the simulator's default
         return serve, ["--cpu-host"]
     if backend == "cpu":
         return serve, ["--cpu-host", "--cards", str(cards)]
