@@ -120,12 +120,7 @@ def check_pieces(reference: Callable[..., object], split: SplitGraph, heads: Seq
     trailing = [list(w.shape[1:]) for w in wants[largest]]
     checked = []
     for (what, items, request), want in zip(requests, wants):
-        bad = next((f"{h!r} {list(w.shape)}, not {[items, *rest]}" for h, w, rest in zip(heads, want, trailing)
-                    if list(w.shape) != [items, *rest]), None)
-        if bad:
-            raise PieceCheckError(f"the model itself answers a {what} with {bad}: "
-                                  "every output must be item-major at every batch size (a squeeze() drops the "
-                                  "batch dim of a 1-item batch: squeeze(-1) keeps it)")
+        _check_item_major(what, items, heads, want, trailing)
         try:
             boundary = _run(lambda: split.host(*[request[n] for n in split.host_inputs]))
         except Exception as exc:  # noqa: BLE001
@@ -190,12 +185,7 @@ def check_onnx_pieces(original: object, host: object, dense: object, *, host_inp
     trailing = [list(w.shape[1:]) for w in wants[largest]]
     checked = []
     for (what, items, request), want in zip(requests, wants):
-        bad = next((f"{h!r} {list(w.shape)}, not {[items, *rest]}" for h, w, rest in zip(heads, want, trailing)
-                    if list(w.shape) != [items, *rest]), None)
-        if bad:
-            raise PieceCheckError(f"the model itself answers a {what} with {bad}: every output must be item-major "
-                                  "at every batch size (a squeeze() drops the batch dim of a 1-item batch: "
-                                  "squeeze(-1) keeps it)")
+        _check_item_major(what, items, heads, want, trailing)
         try:
             crossing = host_session.run(list(boundary), {n: request[n] for n in host_inputs})  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001
@@ -211,3 +201,13 @@ def check_onnx_pieces(original: object, host: object, dense: object, *, host_inp
             raise PieceCheckError(f"on a {what}, {why}")
         checked.append(what)
     return checked
+
+
+def _check_item_major(what: str, items: int, heads, want, trailing) -> None:
+    """PieceCheckError when the model's own answer to a ``what`` of ``items`` items is not item-major in every head."""
+    bad = next((f"{h!r} {list(w.shape)}, not {[items, *rest]}" for h, w, rest in zip(heads, want, trailing)
+                if list(w.shape) != [items, *rest]), None)
+    if bad:
+        raise PieceCheckError(f"the model itself answers a {what} with {bad}: every output must be item-major "
+                              "at every batch size (a squeeze() drops the batch dim of a 1-item batch: "
+                              "squeeze(-1) keeps it)")
