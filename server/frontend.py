@@ -49,7 +49,7 @@ from sixfold.server.protocol.http_codec import HEADER_LENGTH, decode_request
 from sixfold.server.protocol.http_codec import encode_response as encode_rest_response
 from sixfold.server.protocol.shared_memory import check_local_peer, grpc_peer_host
 from sixfold.server.transport.grpc_servicer import InferenceServicer, _grpc_errors
-from sixfold.server.transport.http_app import BodyTooLarge, _http_exception, _name_version, _rest_errors, _Routes
+from sixfold.server.transport.http_app import read_body_within, _http_exception, _name_version, _rest_errors, _Routes
 from sixfold.server.transport.limits import TransportLimits
 from sixfold.server.workers.engine_channel import ENGINE_GRPC_SOCKET, EngineClient
 from sixfold.server.workers.process import READY_PREFIX
@@ -235,14 +235,7 @@ class _FrontEndRoutes(_Routes):
         if request.method in ("GET", "HEAD"):
             body = b""
         else:
-            limit = self.max_body_bytes
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"request body is over the {limit}-byte limit (--max-message-mb)")
-                chunks.append(chunk)
-            body = b"".join(chunks)
+            body = await read_body_within(request, self.max_body_bytes)
         return await self._forward(request, body, inflated=False)
 
     @_rest_errors

@@ -147,6 +147,17 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return data
 
 
+async def read_body_within(request: Request, limit: int) -> bytes:
+    """The request body as sent, refused (BodyTooLarge, 413) as soon as it passes ``limit`` bytes."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit (--max-message-mb)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class _Routes:
     def __init__(self, core: InferenceCore, max_body_bytes: int, control_token: str | None,
                  metrics: ServerMetrics | None = None) -> None:
@@ -159,13 +170,7 @@ class _Routes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit (--max-message-mb)")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(f"request body is over the {limit}-byte limit (--max-message-mb)")
-            chunks.append(chunk)
-        body = b"".join(chunks)
+        body = await read_body_within(request, limit)
         encoding = request.headers.get("content-encoding")
         if encoding and encoding.strip().lower() != "identity":
             body = _decompress(body, encoding, limit)
