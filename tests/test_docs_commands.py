@@ -139,6 +139,8 @@ PARSE_ONLY = (
      "25%", "--measure calibrates this host for 3 s, then times each stage of the plan"),
     ("*", "sixfold-serve", "serves until stopped; the pages' curl lines run against one live server instead"),
     ("*", "sixfold-loadgen", "needs a server, and sends traffic for --duration seconds (30 to 180)"),
+    ("docs/mlperf.md", "python bench/mlperf_peak.py", "two servers in turn, a minute of LoadGen per step: "
+     "tens of minutes (tests/bench/test_mlperf_peak.py runs it on the tiny model)"),
     ("*", "python bench/", "a benchmark: minutes (its flags are parsed by its own parser)"),
 )
 
