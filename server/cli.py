@@ -642,11 +642,30 @@ def _lone_query(served: Any, plan: Any) -> Any:
     pooling = plan.tables.get("pooling") or []
     if pooling and not lone.ids_per_item:
         lone = dataclasses.replace(lone, ids_per_item=float(sum(pooling)))
+    emulated = _emulated_cards(getattr(served, "runtime", None))
+    if emulated is not None:  # cards emulated on this host's cores: priced at the speed they reach here
+        from sixfold.partitioner.pricing.emulated_card import emulated_lone_query
+        lone = emulated_lone_query(lone, *emulated)
     config = getattr(getattr(served, "batcher", None), "config", None)
     if config is not None and not config.all_in_dispatch:
         lone = dataclasses.replace(lone, window_s=config.max_queue_delay_microseconds / 1e6,
                                    no_wait_rows=config.no_wait_rows or 0)
     return lone
+
+
+def _emulated_cards(runtime: Any) -> Any:
+    """(``EmulatedCards``, the dense partition's FLOPs per item) when ``runtime``'s cards are simcards with one
+    stage each (emulated on this host's cores, calibrated here once); None otherwise (real cards, cpu lanes)."""
+    from sixfold.backends.builtin.simcard import SimCardExecutable
+
+    cards = list(getattr(runtime, "cards", None) or [])
+    if not cards or not all(isinstance(c, SimCardExecutable) for c in cards) or cards[0].artifact.flops_per_item <= 0:
+        return None
+    from sixfold.backends.emulation_calibrate import auto_emulation
+    from sixfold.partitioner.pricing.emulated_card import EmulatedCards
+    split = getattr(runtime, "card_split", None)
+    return (EmulatedCards(auto_emulation(), len(cards), runtime.min_split_rows, split is None or split.splittable),
+            float(cards[0].artifact.flops_per_item))
 
 
 def _tiered_note(plan: Any, resident: Any) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sixfold.backends.emulation_calibrate import EmulationCalibration
 from sixfold.partitioner.pricing.served_latency import ServingPath
 from sixfold.simulate.engine import RunResult, ServingSettings, simulate
 from sixfold.simulate.platform import Platform, build_platform
@@ -172,7 +173,8 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
                  max_rows: int | None = None, host_memory_bytes: int | None = None, duration_s: float,
                  warmup_s: float, settings: ServingSettings, seed: int = 0, max_error_rate: float = 0.0,
                  per_request_s: float | None = None, progress: Progress | None = None,
-                 jobs: int = 1, serving_path: ServingPath | None = None) -> CardsAnswer:
+                 jobs: int = 1, serving_path: ServingPath | None = None,
+                 emulation: EmulationCalibration | None = None) -> CardsAnswer:
     """Binary search over 1..``max_cards`` for the fewest cards whose run at ``qps`` passes."""
     if not (qps > 0 and math.isfinite(qps)):
         raise ValueError(f"--qps must be > 0, got {qps}")
@@ -181,6 +183,7 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
     answer = CardsAnswer(card_spec, table_precision, dense_precision, None, None, None)
     extra: dict = {} if per_request_s is None else {"per_request_s": per_request_s}
     extra["serving_path"] = serving_path
+    extra["emulation"] = emulation  # emulated cards here: priced at this host's speed (platform.build_platform)
 
     def platform(cards: int) -> Platform:
         return build_platform(model, cards=cards, card_spec=card_spec, host_spec=host_spec,

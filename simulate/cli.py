@@ -136,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="price sixfold-serve --backend cpu's layout: the dense part on "
                                "one lane per usable core of this host, each priced as one core calibrated here; "
                                "cards default to the usable cores, and no --card-spec (docs/simulate.md)")
+        plat.add_argument("--spec-only", action="store_true",
+                          help="price the cards at their spec, a what-if of cards not bought yet (default with "
+                               "--host-spec auto: as sixfold-serve emulates them on this host's cores, at the "
+                               "speed the emulation reaches here, measured once and cached; docs/simulate.md)")
         plat.add_argument("--host-memory-gib", type=float, default=None,
                           help="host DRAM to plan with, GiB (default: the host spec's)")
         plat.add_argument("--max-rows", type=int, default=None,
@@ -230,7 +234,29 @@ def _platform_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if _host_spec(args) == "auto":  # this host: its serving path as calibrated here (or the documented default)
         from sixfold.partitioner.pricing.served_latency import load_serving_path
         kwargs["serving_path"] = load_serving_path()
+    kwargs["emulation"] = _emulation(args)
     return kwargs
+
+
+def _emulation(args: argparse.Namespace) -> Any:
+    """This host's emulated-card calibration when the cards are emulated here, as sixfold-serve --backend auto
+    runs them (host spec auto, no --cpu-host, no accelerator backend, no --spec-only); else None. Sets
+    ``args.cards_priced``: how the cards are priced, in words, for the output."""
+    from sixfold.backends.cpu_layout import AUTO, resolve_layout
+
+    if args.spec_only or args.cpu_host or _host_spec(args) != "auto" or resolve_layout(AUTO).name != "simcard":
+        why = ("--spec-only" if args.spec_only else "--cpu-host: lanes are this host's cores" if args.cpu_host
+               else f"--host-spec {args.host_spec}: another host" if _host_spec(args) != "auto"
+               else "an accelerator backend reports a device here")
+        args.cards_priced = f"cards priced at their spec ({why})" + (
+            "; a what-if of cards not bought yet" if args.spec_only else "")
+        return None
+    from sixfold.backends.emulation_calibrate import auto_emulation
+    cal = auto_emulation()
+    args.cards_priced = (f"cards emulated on this host's cores, priced at the speed they reach here "
+                         f"({cal.effective_cores:.1f} of {cal.usable_cores} cores shared; {cal.source}); "
+                         "--spec-only prices them at their spec (cards not bought yet)")
+    return cal
 
 
 class _Bar:
@@ -377,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         command = {"run": _run, "max-qps": _max_qps, "capacity": _capacity}[args.command]
         payload = command(args, console, settings)
+        if getattr(args, "cards_priced", None):
+            console.print(args.cards_priced, markup=False)
+            payload["cards_priced"] = args.cards_priced
     except (ValueError, OSError) as exc:  # ImpossibleTarget too: its message names the flag
         print(f"sixfold-simulate: {error_text(exc)}", file=sys.stderr)
         return 2

@@ -19,24 +19,28 @@ partition at the card's fp16 (int8) peak with half (a quarter of) its weight byt
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sixfold import models
+from sixfold.backends.emulation_calibrate import EmulationCalibration
 from sixfold.backends.host.host_embedding import PRECISIONS, bytes_per_row
 from sixfold.backends.spec import DeviceSpec
 from sixfold.backends.spec_catalog import load_spec
 from sixfold.partitioner.compile import partition_builtin
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
 from sixfold.partitioner.pricing.cost import PartitionCost, stage_seconds
+from sixfold.partitioner.pricing.emulated_card import EmulatedCards
 from sixfold.partitioner.pricing.served_latency import ServingPath
 from sixfold.partitioner.plan import PartitionPlan
 from sixfold.partitioner.precision.dense import DENSE_PRECISIONS
 from sixfold.partitioner.placement.strategy import ACTIVATION_HEADROOM
 from sixfold.server.scheduling.admission import PER_REQUEST_S
 
-__all__ = ["StageModel", "MeasuredStage", "fit_stage", "Platform", "build_platform", "resolve_spec", "PROBE_ROWS", "DENSE_PRECISIONS"]
+__all__ = ["StageModel", "EmulatedStage", "MeasuredStage", "fit_stage", "Platform", "build_platform", "resolve_spec", "PROBE_ROWS", "DENSE_PRECISIONS"]
 
 PROBE_ROWS = 10_000
 """Rows per table of the model the plan and its costs are measured on."""
@@ -71,6 +75,39 @@ class MeasuredStage(StageModel):
 
     def seconds(self, rows: int) -> float:
         return self.fixed_s + self.per_item_s * rows
+
+
+class _Sharing:
+    """The emulated cards computing now, on the simulator's virtual clock: each lane's last priced finish."""
+
+    def __init__(self) -> None:
+        self.busy_until: dict[str, float] = {}
+
+    def price(self, lane: str, seconds_at: Callable[[int], float]) -> float:
+        """``seconds_at(k)`` with ``k`` the lanes busy now (this one included), recorded as this lane's finish."""
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:  # priced outside a simulation (a report, a bound): alone
+            return seconds_at(1)
+        k = 1 + sum(1 for name, until in self.busy_until.items() if name != lane and until > now)
+        seconds = seconds_at(k)
+        self.busy_until[lane] = now + seconds
+        return seconds
+
+
+@dataclass(eq=False)
+class EmulatedStage(StageModel):
+    """A card emulated on this host's cores: ``EmulatedCards.part_seconds`` with the cards that compute at the
+    same virtual moment sharing the cores (the parts of a split batch, priced as they are dispatched, see each
+    other: the last part, which the batch waits for, is priced with all of them)."""
+
+    emulated: EmulatedCards | None = None
+    sharing: _Sharing | None = None
+
+    def seconds(self, rows: int) -> float:
+        spec = super().seconds
+        flops = self.cost.flops_per_item
+        return self.sharing.price(self.name, lambda k: self.emulated.part_seconds(flops, rows, k, spec))
 
 
 def fit_stage(stage: StageModel, rows: list[int], seconds: list[float]) -> MeasuredStage:
@@ -113,6 +150,8 @@ class Platform:
     host (``sixfold.partitioner.pricing.served_latency``): what of it the front end's costs above do not already
     charge is added to every answered request as a delay (no shared resource: gRPC's own threads and the client).
     None: not priced (a spec-only what-if of another host)."""
+    emulated: EmulatedCards | None = None
+    """The cards are emulated on this host's cores and priced at the speed they reach here; None: at their spec."""
 
     def path_delay_s(self, items: int) -> float:
         """The serving path's delay for an ``items``-item request beyond the front end's charged costs."""
@@ -143,7 +182,8 @@ class Platform:
         rows = 256
         lane = self.lanes[0]
         card_ms = sum(s.seconds(rows) for s in lane) * 1e3
-        return (f"{self.label} (host {self.host_spec.name}; tables {self.table_precision}, dense "
+        cards = self.emulated.describe() if self.emulated else "cards at their spec"
+        return (f"{self.label} (host {self.host_spec.name}; {cards}; tables {self.table_precision}, dense "
                 f"{self.dense_precision}): per {rows}-item batch host {self.host.seconds(rows) * 1e3:.3f} ms, "
                 f"card lane {card_ms:.3f} ms x {len(self.lanes)} lanes"
                 + (f", host dense {self.host_dense.seconds(rows) * 1e3:.3f} ms" if self.host_dense else "")
@@ -201,8 +241,13 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
                    host_spec: str | DeviceSpec = "host-cpu", table_precision: str = "fp32",
                    dense_precision: str = "fp32", max_rows: int | None = None, strategy: str = "auto",
                    host_dense: bool = True, per_request_s: float = PER_REQUEST_S,
-                   host_memory_bytes: int | None = None, serving_path: ServingPath | None = None) -> Platform:
+                   host_memory_bytes: int | None = None, serving_path: ServingPath | None = None,
+                   emulation: EmulationCalibration | None = None) -> Platform:
     """Plan ``model`` on ``cards`` cards of ``card_spec`` plus the host, priced for simulation.
+
+    ``emulation``: the cards are emulated on this host (as ``sixfold-serve --backend auto`` runs them with no
+    accelerator): each single-stage lane is priced at the speed the emulation reaches here
+    (``pricing.emulated_card``), the spec's time the floor; None: at the spec (a what-if of cards not bought).
 
     Raises ValueError naming the argument at fault: an unknown model or spec, no cards, a
     precision that does not exist, tables that do not fit the host, a dense part no card fits.
@@ -247,8 +292,14 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
             raise ValueError(f"--card-spec {card.name}: the dense partition needs "
                              f"{dense_cost.param_bytes * ACTIVATION_HEADROOM / 2**30:.2f} GiB")
         io = partitioned.io_bytes[DENSE_PARTITION]
-        for device in plan.devices_of(DENSE_PARTITION):
-            lanes.append([StageModel(device, plan.device(device).spec, dense_cost, *io)])
+        devices = plan.devices_of(DENSE_PARTITION)
+        if emulation is not None:
+            emulated = EmulatedCards(emulation, len(devices))
+            sharing = _Sharing()
+            lanes = [[EmulatedStage(device, plan.device(device).spec, dense_cost, *io, emulated=emulated,
+                                    sharing=sharing)] for device in devices]
+        else:
+            lanes = [[StageModel(device, plan.device(device).spec, dense_cost, *io)] for device in devices]
     else:  # a pipeline: one lane per replica, its stages in order
         replicas: dict[int, list[StageModel]] = {}
         for p in sorted(plan.placements, key=lambda p: (p.replica, stages.index(p.partition)
@@ -267,5 +318,6 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
     return Platform(model=model, plan=plan, host=host_stage, lanes=lanes, host_dense=dense_on_host,
                     card_spec=card, host_spec=host, cards=cards, ids_per_item=ids_per_item,
                     table_bytes=table_bytes, table_precision=table_precision, dense_precision=dense_precision,
-                    per_request_s=per_request_s, serving_path=serving_path)
+                    per_request_s=per_request_s, serving_path=serving_path,
+                    emulated=lanes[0][0].emulated if isinstance(lanes[0][0], EmulatedStage) else None)
 

@@ -32,6 +32,25 @@ def test_the_plan_prices_a_served_lone_query_within_3x_and_the_stages_are_timed(
         assert 0 < paths[size] * 1e3 < got  # the serving path, request by request: part of what was waited
 
 
+def test_emulated_cards_are_priced_at_this_hosts_speed_within_3x_of_a_served_lone_query() -> None:
+    """The default layout here (auto: six emulated cards on the host's cores): the plan's dense term is the
+    emulation's speed measured here, not the m2-card spec, and says so. Loose (3x): the host is shared."""
+    sizes, n = [16, 400], 5
+    server = Server("dlrm-mlperf", 2000, _layout_flags("auto", None)[0])
+    try:
+        served = serve_lone(server.url, "dlrm-mlperf", 2000, sizes, n)
+        server.records()
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
+    lone = server.plan["served_latency"]
+    assert "emulated cards priced at this host's speed" in lone.get("dense_source", ""), lone
+    for size in sizes:
+        got = statistics.median(served[size]) * 1e3
+        planned = plan_latency_ms(server.plan, size)
+        assert planned is not None and got / 3 < planned < got * 3, (size, planned, got)
+
+
 def test_the_layout_flags_match_between_serve_and_simulate() -> None:
     assert _layout_flags("auto", None) == (["--backend", "auto"], [])
     assert _layout_flags("cpu", None) == (["--backend", "cpu"], ["--cpu-host"])

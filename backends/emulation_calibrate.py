@@ -1,0 +1,198 @@
+"""How fast an emulated card computes on this host: measured once on a small real ONNX graph, cached.
+
+An emulated card (``simcard``) answers at the later of its spec's modelled time and the real time its
+functional backend takes: one single-thread ONNX Runtime session per card (shared by the cards that load
+the same partition), all on the host's own cores. On a host with fewer usable cores than cards that real
+time is what a client waits for, and the spec (an m2-card's) says nothing about it. This module measures it:
+
+- ``alone``: seconds of one single-thread session on an MLP (``spec_calibrate.mlp_partition``, the shape of a
+  recommendation model's top MLP) at a few batch sizes, one call at a time: a per-call cost plus FLOP/s
+  that grow with the batch (small GEMMs are slow);
+- ``sharing``: with ``k`` cards computing at once (``k`` threads on the one shared session, as simcard runs
+  them), how much longer each call takes than alone, ``k`` = 1 .. ``MAX_SHARING``: on 2 usable cores about
+  ``k / 2`` from 3 on.
+
+``sixfold.partitioner.pricing.emulated_card`` prices a dense partition with it. The figures are cached beside
+``--host-spec auto``'s (``emulated-card-<machine>.json``); delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["EmulationCalibration", "calibrate_emulation", "emulation_file", "load_emulation", "auto_emulation",
+           "CALIBRATE_ROWS", "MAX_SHARING"]
+
+CALIBRATE_ROWS: tuple[int, ...] = (1, 16, 64, 128, 256, 512)
+"""Batch sizes the lone session is timed at; a part of a split batch is 64-512 rows, a small batch 1-64."""
+MAX_SHARING = 6
+"""Cards computing at once that the sharing factor is measured for (sixfold-serve emulates six by default)."""
+SHARING_ROWS = 128
+"""Rows per call while measuring sharing: the size of a part of a split MLPerf query (700 items over 6 cards)."""
+WIDTH, LAYERS = 512, 3
+TRIES = 3
+"""Each sharing figure is the fastest of this many tries (the host may be busy with other work)."""
+
+
+@dataclass(frozen=True)
+class EmulationCalibration:
+    """One host's emulated-card speed: lone calls at ``rows`` took ``seconds``; ``sharing[k-1]``: slowdown at k."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    flops_per_item: float
+    """FLOPs per row of the graph the seconds were measured on."""
+    sharing: tuple[float, ...]
+    """Wall time of one call with ``k`` calls running at once over its time alone, k = 1, 2, ...: 1.0 first."""
+    usable_cores: int
+    source: str = field(default="")
+    """Where and when it was measured (machine, load average)."""
+
+    @property
+    def effective_cores(self) -> float:
+        """The cores the cards' threads share, fitted from ``sharing``: the median of ``k / sharing[k-1]``
+        over k >= 2, between 1 and ``usable_cores``. One figure, so one noisy k (a busy host) cannot bend it."""
+        fits = [k / s for k, s in enumerate(self.sharing, start=1) if k >= 2 and s > 0]
+        if not fits:
+            return float(self.usable_cores)
+        return min(float(self.usable_cores), max(1.0, statistics.median(fits)))
+
+    def sharing_factor(self, k: int) -> float:
+        """Slowdown of each of ``k`` cards computing at once: ``max(1, k / effective_cores)`` (time-sharing)."""
+        return max(1.0, k / self.effective_cores) if k > 1 else 1.0
+
+    def alone_seconds(self, flops_per_item: float, rows: int) -> float:
+        """One card's call on ``rows`` items of a partition of ``flops_per_item``, alone: the measured time of the
+        calibration graph at ``rows`` (piecewise linear, the last slope beyond), scaled by the FLOPs ratio."""
+        pts = list(zip(self.rows, self.seconds))
+        if rows <= pts[0][0]:
+            at = pts[0][1]
+        else:
+            at = pts[-1][1] + (pts[-1][1] - pts[-2][1]) * (rows - pts[-1][0]) / (pts[-1][0] - pts[-2][0])
+            for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+                if rows <= r1:
+                    at = s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+                    break
+        return at * flops_per_item / self.flops_per_item
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EmulationCalibration":
+        cal = cls(tuple(int(r) for r in data["rows"]), tuple(float(s) for s in data["seconds"]),
+                  float(data["flops_per_item"]), tuple(float(s) for s in data["sharing"]),
+                  int(data["usable_cores"]), str(data.get("source", "")))
+        if len(cal.rows) != len(cal.seconds) or len(cal.rows) < 2 or not cal.sharing or cal.flops_per_item <= 0:
+            raise ValueError("emulation calibration: needs >= 2 (rows, seconds) points, sharing factors and FLOPs")
+        return cal
+
+
+def _session(seed: int = 0):  # noqa: ANN202 - an onnxruntime.InferenceSession
+    import onnxruntime as ort
+
+    from sixfold.backends.spec_calibrate import mlp_partition
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1  # as simcard's functional backend: one thread per card
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(mlp_partition(width=WIDTH, layers=LAYERS, seed=seed).payload, options,
+                                providers=["CPUExecutionProvider"])
+
+
+def _lone_seconds(session, rows: int, budget_s: float) -> float:  # noqa: ANN001
+    feed = {"x": np.random.default_rng(rows).standard_normal((rows, WIDTH)).astype(np.float32)}
+    session.run(None, feed)  # warm-up
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < 200 and (len(times) < 5 or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return statistics.quantiles(times, n=4)[0]  # the lower quartile: other processes only ever slow a call
+
+
+def _shared_seconds(session, k: int, calls: int) -> float:  # noqa: ANN001
+    """Wall time per call while ``k`` threads each make ``calls`` calls on ``session`` back to back."""
+    feed = {"x": np.random.default_rng(k).standard_normal((SHARING_ROWS, WIDTH)).astype(np.float32)}
+    start = threading.Barrier(k + 1)
+    session.run(None, feed)  # warm-up
+
+    def worker() -> None:
+        start.wait()
+        for _ in range(calls):
+            session.run(None, feed)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(k)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join(timeout=600)
+    return (time.perf_counter() - t0) / calls
+
+
+def calibrate_emulation(seconds_budget: float = 4.0, *, rows: Sequence[int] = CALIBRATE_ROWS,
+                        max_sharing: int = MAX_SHARING) -> EmulationCalibration:
+    """Measure this host's emulated-card speed in about ``seconds_budget`` seconds (half lone, half sharing)."""
+    if seconds_budget <= 0 or max_sharing < 1 or len(set(rows)) < 2 or min(rows) < 1:
+        raise ValueError(f"calibrate_emulation: seconds_budget > 0, max_sharing >= 1 and >= 2 distinct rows >= 1 "
+                         f"needed, got {seconds_budget}, {max_sharing}, {list(rows)}")
+    from sixfold.backends.host.calibrate import machine_key
+    from sixfold.backends.host.usable_cores import usable_cores
+
+    session = _session()
+    rows = tuple(sorted(set(rows)))
+    lone = tuple(_lone_seconds(session, r, seconds_budget / 2 / len(rows)) for r in rows)
+    base = min(_shared_seconds(session, 1, 5) for _ in range(TRIES))
+    # calls per try so that all k fit the other half of the budget: k x calls x base x (k / cores) per try
+    cores = usable_cores().count
+    work = TRIES * sum(k * max(1.0, k / cores) for k in range(2, max_sharing + 1))
+    calls = max(5, min(50, int(seconds_budget / 2 / (work * base))))
+    # the fastest of TRIES tries: another process's burst only ever slows one down
+    sharing = [1.0] + [max(1.0, min(_shared_seconds(session, k, calls) for _ in range(TRIES)) / base)
+                       for k in range(2, max_sharing + 1)]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return EmulationCalibration(rows, lone, 2.0 * WIDTH * WIDTH * LAYERS, tuple(sharing), cores,
+                                f"measured {time.strftime('%Y-%m-%d')} on {machine_key()}, load average {load:.1f}")
+
+
+def emulation_file() -> Path:
+    """This machine's cached calibration (beside ``--host-spec auto``'s cache)."""
+    from sixfold.backends.host.calibrate import cache_dir, machine_key
+    return cache_dir() / f"emulated-card-{machine_key()}.json"
+
+
+def load_emulation(path: Path | None = None) -> EmulationCalibration | None:
+    """The cached calibration, or None when there is none (or it is damaged)."""
+    try:
+        return EmulationCalibration.from_dict(json.loads((path or emulation_file()).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def auto_emulation(seconds_budget: float | None = None, path: Path | None = None) -> EmulationCalibration:
+    """The cached calibration; measured first (saying so on stderr) when there is none. Atomic write."""
+    path = path or emulation_file()
+    found = load_emulation(path)
+    if found is not None:
+        return found
+    budget = seconds_budget or float(os.environ.get("SIXFOLD_CALIBRATE_SECONDS", "4"))
+    print(f"sixfold: measuring this host's emulated-card speed once ({budget:g} s); cached in {path}", file=sys.stderr)
+    cal = calibrate_emulation(budget)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
+    tmp.replace(path)
+    return cal
