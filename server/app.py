@@ -30,6 +30,7 @@ from sixfold.server.transport.http_server import RestServer
 from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.execution.runtime import single_threaded_ops_here
 from sixfold.server.transport.grpc_servicer import InferenceServicer
+from sixfold.server.scheduling.unread_admission import refusal_for_unread
 from sixfold.server.transport.grpc_receive import bounded_model_infer, sized_model_infer
 from sixfold.server.transport.limits import TransportLimits, grpc_options
 from sixfold.server.transport.receive_budget import ReceiveBudget
@@ -197,6 +198,7 @@ class SixfoldServer:
         self._drain_over: asyncio.Event | None = None
         self.receive_budget = ReceiveBudget(config.limits.receive_bytes, config.max_message_bytes)
         """Request bytes in flight over both transports, checked before a body is read."""
+        self.receive_budget.unread_refusal = lambda timeout_s: refusal_for_unread(core.all_versions(), timeout_s)
         self._readiness: asyncio.Task | None = None
         self._serving: bool | None = None
         """What grpc.health.v1 says now (None: not set yet)."""

@@ -40,6 +40,11 @@ def bounded_model_infer(servicer: Any, budget: ReceiveBudget, body_timeout_s: fl
     answer with ``servicer.ModelInfer``, release."""
 
     async def model_infer(request_iterator, context: grpc.aio.ServicerContext):
+        refusal = budget.unread_refusal and budget.unread_refusal(context.time_remaining())
+        if refusal:  # every model would refuse it: refused unread, costing no read and no decode
+            if metrics is not None:
+                metrics.record_refused("grpc", "overloaded")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         if not await budget.start_read(_WAIT_FOR_READS_S):
             if metrics is not None:
                 metrics.record_refused("grpc", "receive_budget")

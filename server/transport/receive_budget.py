@@ -12,6 +12,7 @@ of small requests is not refused for the few large reservations of reads still r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from sixfold.server.transport.deadline import within
 
@@ -34,6 +35,10 @@ class ReceiveBudget:
         """Most bytes held at once so far."""
         self._waiting = 0
         self._changed: asyncio.Condition | None = None
+        self.unread_refusal: Callable[[float | None], str | None] | None = None
+        """``(client deadline s) -> why`` every model would refuse any request now (None: one may be admitted),
+        asked before a gRPC message is read, so a request the scheduler refuses costs no read and no decode
+        (``sixfold.server.scheduling.unread_admission``). None: not asked."""
 
     def _fits(self, nbytes: int) -> bool:
         return not self.limit or self.held == 0 or self.held + nbytes <= self.limit

@@ -1,0 +1,80 @@
+"""A request that every model would refuse is refused before its message is read (real gRPC, stock tritonclient).
+
+rm1 on throttled simcards (one batch of a few rows holds a card ~0.2 s), one batch at a time and one
+request queued at most: one request running and one queued, a burst of 6 more that
+find the queue full are refused RESOURCE_EXHAUSTED with the scheduler's reason, before their bytes are
+read (``DynamicBatcher.refusal_before_read`` via the receive budget's ``unread_refusal``). Every
+request is answered or refused, nothing stays held, and the server answers at once afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from sixfold import models
+from sixfold.partitioner.compile import partition_builtin
+from sixfold.server.app import BackgroundServer, ServerConfig
+from sixfold.server.core import InferenceCore
+from sixfold.server.loading.loader import load_partitioned
+from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.scheduling.batcher import BatchingConfig
+from tests.conftest import triton_inputs
+
+ROWS = 4
+UNREAD = "refused before its message was read"
+
+
+@pytest.fixture(scope="module")
+def slow_rm1():
+    _, partitioned = partition_builtin("rm1", max_rows=300, seed=1, cards=1)
+    metrics = ServerMetrics()
+    batching = BatchingConfig(max_batch_rows=ROWS, max_queue_delay_microseconds=0, max_inflight_batches=1,
+                              max_queue_size=1)
+    served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=batching,
+                              backend_options={"faults": {"slow_factor": 4000.0}}, host_dense_max_rows=0)
+    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None,
+                                                                        warmup=False), metrics).start()
+    try:
+        yield background, metrics
+    finally:
+        background.stop()
+
+
+def _send(url: str, inputs: list) -> str:
+    with tc.InferenceServerClient(url) as client:
+        try:
+            client.infer("rm1", inputs, client_timeout=30)
+            return "OK"
+        except InferenceServerException as exc:
+            return f"{exc.status()}: {exc.message()}"
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_past_a_full_queue_is_refused_unread_and_every_request_is_answered_or_refused(slow_rm1) -> None:
+    background, metrics = slow_rm1
+    request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=4).make(ROWS)
+    inputs = triton_inputs(tc, request)
+    with ThreadPoolExecutor(8) as pool:
+        # NOTE: one to run, one to queue, then the burst once they are in: handlers that start in the same
+        # turn of the loop all pass the check before any of them is queued (and are refused once read)
+        first = [pool.submit(_send, background.url, inputs)]
+        time.sleep(0.05)
+        first.append(pool.submit(_send, background.url, inputs))
+        time.sleep(0.1)
+        burst = [pool.submit(_send, background.url, inputs) for _ in range(6)]
+        outcomes = [f.result(timeout=60) for f in first + burst]
+    answered = [o for o in outcomes if o == "OK"]
+    refused = [o for o in outcomes if o.startswith("StatusCode.RESOURCE_EXHAUSTED")]
+    assert len(answered) + len(refused) == len(outcomes), outcomes  # nothing else: no timeout, no INTERNAL
+    assert 1 <= len(answered) <= 3, outcomes  # one running, one queued (and one more if a batch ended meanwhile)
+    unread = [o for o in refused if UNREAD in o and "queue full" in o and "max_queue_size 1" in o]
+    assert unread, outcomes
+    assert metrics.refused.labels("grpc", "overloaded")._value.get() >= len(unread)
+    # Nothing stays held, and once the burst is gone a request is admitted and answered.
+    assert background.server.receive_budget.held == 0
+    assert _send(background.url, inputs) == "OK"
