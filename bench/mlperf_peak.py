@@ -201,9 +201,9 @@ def _order(trees: list[Tree], index: int) -> list[Tree]:
     return trees if index % 2 == 0 else trees[::-1]
 
 
-def ladder_search(trees: list[Tree], ladder: list[float], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Up the ladder; a tree leaves it after ``--patience`` failed steps in a row."""
-    rows: list[dict[str, Any]] = []
+def ladder_search(trees: list[Tree], ladder: list[float], args: argparse.Namespace,
+                  rows: list[dict[str, Any]]) -> None:
+    """Up the ladder, each step's row appended to ``rows``; a tree leaves after ``--patience`` failed steps in a row."""
     misses = {t.key: 0 for t in trees}
     for index, qps in enumerate(ladder):
         active = [t for t in trees if misses[t.key] < args.patience]
@@ -213,12 +213,11 @@ def ladder_search(trees: list[Tree], ladder: list[float], args: argparse.Namespa
             row = run_step(tree, qps, index, args)
             rows.append(row)
             misses[tree.key] = 0 if row["valid"] else misses[tree.key] + 1
-    return rows
 
 
-def bisect_search(trees: list[Tree], lo: float, hi: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bisect_search(trees: list[Tree], lo: float, hi: float, args: argparse.Namespace,
+                  rows: list[dict[str, Any]]) -> None:
     """Each tree halves its own bracket [lo, hi]; every step runs both trees, at their own midpoints."""
-    rows: list[dict[str, Any]] = []
     bracket = {t.key: [lo, hi] for t in trees}
     for index in range(args.steps):
         for tree in _order(trees, index):
@@ -227,7 +226,6 @@ def bisect_search(trees: list[Tree], lo: float, hi: float, args: argparse.Namesp
             row = run_step(tree, qps, index, args)
             rows.append(row)
             bracket[tree.key][0 if row["valid"] else 1] = qps
-    return rows
 
 
 def peaks(rows: list[dict[str, Any]], trees: list[Tree]) -> dict[str, float | None]:
@@ -264,7 +262,8 @@ def format_table(report: dict[str, Any]) -> str:
                             load("load_after")))
     peak = report["peak_qps"]
     show = {k: ("none passed" if v is None else f"{v:g} q/s") for k, v in peak.items()}
-    lines += ["", f"Highest passing QPS: this tree {show[THIS]}, baseline {show[BASELINE]}."]
+    lines += ["", f"Highest passing QPS: this tree {show[THIS]}, baseline {show[BASELINE]}."
+              + (" Interrupted: only the steps above ran." if report.get("interrupted") else "")]
     return "\n".join(lines)
 
 
@@ -330,29 +329,36 @@ def main(argv: list[str] | None = None) -> int:
     args.step_timeout = args.step_timeout or 2 * args.duration + 120
     ladder = None if args.bisect else parse_ladder(args.qps or DEFAULT_LADDER)
     bracket = parse_bracket(args.bisect) if args.bisect else None
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell starts `cmd &` with it ignored
+        signal.signal(sig, _interrupt)
     head = _git("rev-parse", "--short", "HEAD")
     dirty = " (+ uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
     report: dict[str, Any] = {"model": args.model, "max_rows": args.max_rows, "latency_ms": args.latency_ms,
                               "duration_s": args.duration, "host": machine_line(), "server_flags": server_flags(args),
                               "search": {"ladder": ladder} if ladder else {"bisect": bracket, "steps": args.steps},
                               "load_start": load_avg(), "steps": []}
+    trees: list[Tree] = []
+    status = 0
     try:
         with baseline_tree(args.baseline_tree) as (folder, label):
-            trees = [Tree(THIS, f"working tree at {head}{dirty}", None), Tree(BASELINE, label, folder)]
+            trees += [Tree(THIS, f"working tree at {head}{dirty}", None), Tree(BASELINE, label, folder)]
             report["trees"] = {t.key: t.label for t in trees}
             log(f"this = {trees[0].label}; baseline = {label}; {report['server_flags']}")
-            report["steps"] = (ladder_search(trees, ladder, args) if ladder
-                               else bisect_search(trees, *bracket, args))  # type: ignore[misc]
+            if ladder:
+                ladder_search(trees, ladder, args, report["steps"])
+            else:
+                bisect_search(trees, *bracket, args, report["steps"])  # type: ignore[misc]
     except KeyboardInterrupt:
-        log("interrupted: servers and LoadGen stopped, worktree removed")
-        return 130
+        log("interrupted: servers and LoadGen stopped, worktree removed; the steps that finished follow")
+        report["interrupted"], status = True, 130
+    if not trees:
+        return status
     report["load_end"] = load_avg()
     report["peak_qps"] = peaks(report["steps"], trees)
     if args.json:
         write_json(args.json, report)
     print(format_table(report))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

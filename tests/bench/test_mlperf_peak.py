@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from sixfold.loadgen.mlperf import parse_summary
@@ -60,6 +62,46 @@ def test_two_trees_alternate_on_a_two_step_ladder_and_the_verdicts_are_loadgens(
     assert "Highest passing QPS:" in done.stdout
     assert "LoadGen for 2 s" in done.stderr  # live progress goes to stderr
     assert str(tmp_path) not in _worktrees() and "mlperf_peak_" not in _worktrees()  # the worktree is removed
+
+
+def _servers_with(max_rows: str) -> list[int]:
+    """Pids of live sixfold-serve processes started with ``--max-rows max_rows`` (a number only this test uses)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--max-rows" in argv and argv[argv.index(b"--max-rows") + 1:][:1] == [max_rows.encode()] \
+                and any(b"sixfold" in a for a in argv) and b"mlperf_peak.py" not in b" ".join(argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_ctrl_c_mid_step_stops_the_server_and_loadgen_and_removes_the_worktree(tmp_path: Path) -> None:
+    rows = "1237"
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--model", "tiny", "--max-rows", rows, "--baseline-tree",
+                             "HEAD", "--qps", "20", "--duration", "60", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 180
+        seen = ""
+        while "LoadGen for 60 s" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stderr.readline()
+        assert "LoadGen for 60 s" in seen, seen
+        assert _servers_with(rows), "the first step's server should be serving now"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Interrupted: only the steps above ran." in out
+    assert _servers_with(rows) == [], "a server outlived the interrupted bench"
+    assert str(tmp_path) not in _worktrees() and "mlperf_peak_" not in _worktrees()
 
 
 def test_a_baseline_that_is_neither_a_folder_nor_a_commit_is_refused_by_name() -> None:
