@@ -12,6 +12,9 @@ one process would have said.
 
 Frames, front end -> engine: ``hello`` (the two arena files), ``infer``, ``free`` (output blocks
 the front end has read). Engine -> front end: one answer per ``infer``, in any order, by id.
+An output of at most ``INLINE_OUTPUT_BYTES`` travels in its answer's frame instead of the output
+arena: a block would cost an allocation, a copy out and a ``free`` frame back (a write, and a wake-up
+of the engine) for a few bytes. A side reads every frame the socket holds at once (``FrameReader``).
 A block of the input arena is freed by the front end only once the engine answered its request
 (even when the client gave up first), so the engine never reads a block being rewritten.
 """
@@ -33,7 +36,8 @@ from sixfold.server import errors
 from sixfold.server.errors import InternalError, Overloaded, ServingError, Unavailable
 from sixfold.server.workers.arena import Arena, ArenaFile
 
-__all__ = ["ENGINE_SOCKET", "ENGINE_GRPC_SOCKET", "EngineChannel", "EngineClient", "error_fields", "error_from"]
+__all__ = ["ENGINE_SOCKET", "ENGINE_GRPC_SOCKET", "INLINE_OUTPUT_BYTES", "EngineChannel", "EngineClient", "FrameReader",
+           "error_fields", "error_from"]
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +47,57 @@ ENGINE_GRPC_SOCKET = "engine-grpc.sock"
 """The engine's own gRPC service on a Unix socket: the front ends forward every RPC but inference to it."""
 _PREFIX = struct.Struct("<II")
 _MAX_HEADER = 16 << 20
+_READ_BYTES = 1 << 16
+INLINE_OUTPUT_BYTES = 4096
+"""Outputs up to this size go in the answer's frame, not the output arena (a 1-item answer is 4 bytes)."""
 _ERRORS: dict[str, type[ServingError]] = {
     cls.__name__: cls for cls in (errors.InvalidInput, errors.ModelNotFound, errors.Unavailable, errors.Overloaded,
                                   errors.DeadlineExceeded, errors.InternalError, errors.Unauthenticated,
                                   errors.ServingError)}
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
-    """One frame: its header and payload; IncompleteReadError at the end of the stream."""
-    header_len, payload_len = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
-    if header_len > _MAX_HEADER:
-        raise ValueError(f"engine channel frame header of {header_len} bytes")
-    header = json.loads(await reader.readexactly(header_len))
-    payload = await reader.readexactly(payload_len) if payload_len else b""
-    return header, payload
+class FrameReader:
+    """Reads frames in bulk: every whole frame the socket has delivered, for one await.
+
+    Under load a turn of the other side's loop writes many frames in one system call; reading them
+    one ``readexactly`` at a time (prefix, header, payload) cost three awaits a frame.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self._buffer = bytearray()
+
+    def _parse(self) -> list[tuple[dict, bytes]]:
+        buffer, frames, start = self._buffer, [], 0
+        while len(buffer) - start >= _PREFIX.size:
+            header_len, payload_len = _PREFIX.unpack_from(buffer, start)
+            if header_len > _MAX_HEADER:
+                raise ValueError(f"engine channel frame header of {header_len} bytes")
+            body = start + _PREFIX.size
+            end = body + header_len + payload_len
+            if len(buffer) < end:
+                break
+            frames.append((json.loads(buffer[body:body + header_len]),
+                           bytes(buffer[body + header_len:end]) if payload_len else b""))
+            start = end
+        if start:
+            del buffer[:start]
+        return frames
+
+    async def frames(self) -> list[tuple[dict, bytes]]:
+        """The next whole frames (at least one); IncompleteReadError at the end of the stream."""
+        while True:
+            frames = self._parse()
+            if frames:
+                return frames
+            wanted = _READ_BYTES
+            if len(self._buffer) >= _PREFIX.size:  # a large frame: read up to its end at once
+                header_len, payload_len = _PREFIX.unpack_from(self._buffer)
+                wanted = max(wanted, _PREFIX.size + header_len + payload_len - len(self._buffer))
+            data = await self.reader.read(wanted)
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(self._buffer), None)
+            self._buffer += data
 
 
 def frame(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
@@ -153,8 +194,8 @@ class _FrontEndLink:
                 array = np.ascontiguousarray(array)
                 if array.dtype.hasobject:
                     raise InternalError(f"output '{name}' is of BYTES: not served with --workers > 1")
-                offset = self.out_arena.alloc(array.nbytes) if array.nbytes else None
-                if offset is None:  # the output arena is full (or the tensor empty): the bytes go inline
+                offset = self.out_arena.alloc(array.nbytes) if array.nbytes > INLINE_OUTPUT_BYTES else None
+                if offset is None:  # small (or the output arena is full): the bytes go inline
                     entries.append([name, array.dtype.str, list(array.shape), -1 - inline])
                     data = array.tobytes()
                     payload.append(data)
@@ -193,20 +234,21 @@ class EngineChannel:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = _FrontEndLink(self.core, writer)
         self.links.add(link)
+        frames = FrameReader(reader)
         try:
             while True:
-                header, _ = await read_frame(reader)
-                op = header.get("op")
-                if op == "infer":
-                    task = asyncio.ensure_future(link.infer(header))
-                    link.tasks.add(task)
-                    task.add_done_callback(link.tasks.discard)
-                elif op == "free":
-                    link.free(header["offsets"])
-                elif op == "hello":
-                    link.hello(header)
-                else:
-                    raise ValueError(f"unknown engine channel op {op!r}")
+                for header, _ in await frames.frames():
+                    op = header.get("op")
+                    if op == "infer":
+                        task = asyncio.ensure_future(link.infer(header))
+                        link.tasks.add(task)
+                        task.add_done_callback(link.tasks.discard)
+                    elif op == "free":
+                        link.free(header["offsets"])
+                    elif op == "hello":
+                        link.hello(header)
+                    else:
+                        raise ValueError(f"unknown engine channel op {op!r}")
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front end is gone: what it asked is still answered into the void, then its arenas unmapped
         except Exception:  # noqa: BLE001 - a broken frame ends this front end's link, not the engine
@@ -297,18 +339,19 @@ class EngineClient:
         return header["model"], header["version"], result
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
+        frames = FrameReader(reader)
         try:
             while True:
-                header, payload = await read_frame(reader)
-                answer, placed = self._pending.pop(header["id"])
-                for block in placed:  # the engine is done with the inputs
-                    self.arena.free(block)
-                if not answer.done():
-                    answer.set_result((header, payload))
-                elif header.get("ok"):  # the client gave up: its outputs are not read
-                    offsets = [entry[3] for entry in header["outputs"] if entry[3] >= 0]
-                    if offsets and self._frames is not None:
-                        self._frames.free(offsets)
+                for header, payload in await frames.frames():
+                    answer, placed = self._pending.pop(header["id"])
+                    for block in placed:  # the engine is done with the inputs
+                        self.arena.free(block)
+                    if not answer.done():
+                        answer.set_result((header, payload))
+                    elif header.get("ok"):  # the client gave up: its outputs are not read
+                        offsets = [entry[3] for entry in header["outputs"] if entry[3] >= 0]
+                        if offsets and self._frames is not None:
+                            self._frames.free(offsets)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             self.gone = f"its channel closed: {type(exc).__name__}"
         except Exception as exc:  # noqa: BLE001 - a broken frame: no answer can be trusted after it
