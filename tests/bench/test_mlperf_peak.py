@@ -64,6 +64,20 @@ def test_two_trees_alternate_on_a_two_step_ladder_and_the_verdicts_are_loadgens(
     assert str(tmp_path) not in _worktrees() and "mlperf_peak_" not in _worktrees()  # the worktree is removed
 
 
+def test_bisection_halves_each_trees_bracket_after_a_step_loadgen_judges_invalid(tmp_path: Path) -> None:
+    # 2 s at 20 q/s is 40 queries: LoadGen's early stopping needs ~460 at p99, so the first step is INVALID
+    # for both trees whatever the latencies, and each bracket's top comes down to 20: the next step is at 15
+    out_json = tmp_path / "peak.json"
+    done = _run("--model", "tiny", "--max-rows", "1000", "--baseline-tree", "HEAD", "--bisect", "10:30", "--steps",
+                "2", "--duration", "2", "--step-timeout", "90", "--log-dir", str(tmp_path / "logs"),
+                "--json", str(out_json), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = json.loads(out_json.read_text())["steps"]
+    assert [(s["tree"], s["qps"]) for s in steps][:2] == [("this", 20.0), ("baseline", 20.0)], steps
+    assert [s["result"] for s in steps[:2]] == ["INVALID", "INVALID"] and not steps[0]["checks"]["early_stopping"]
+    assert [(s["tree"], s["qps"]) for s in steps[2:]] == [("baseline", 15.0), ("this", 15.0)], steps
+
+
 def _servers_with(max_rows: str) -> list[int]:
     """Pids of live sixfold-serve processes started with ``--max-rows max_rows`` (a number only this test uses)."""
     pids = []
