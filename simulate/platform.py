@@ -82,13 +82,18 @@ class _Sharing:
 
     def __init__(self) -> None:
         self.busy_until: dict[str, float] = {}
+        self.loop: object | None = None
 
     def price(self, lane: str, seconds_at: Callable[[int], float]) -> float:
         """``seconds_at(k)`` with ``k`` the lanes busy now (this one included), recorded as this lane's finish."""
         try:
-            now = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
         except RuntimeError:  # priced outside a simulation (a report, a bound): alone
             return seconds_at(1)
+        if loop is not self.loop:  # a new simulation (its own virtual clock): nothing computes yet
+            self.loop = loop
+            self.busy_until.clear()
+        now = loop.time()
         k = 1 + sum(1 for name, until in self.busy_until.items() if name != lane and until > now)
         seconds = seconds_at(k)
         self.busy_until[lane] = now + seconds
