@@ -198,7 +198,8 @@ class SixfoldServer:
         self._drain_over: asyncio.Event | None = None
         self.receive_budget = ReceiveBudget(config.limits.receive_bytes, config.max_message_bytes)
         """Request bytes in flight over both transports, checked before a body is read."""
-        self.receive_budget.unread_refusal = lambda timeout_s: refusal_for_unread(core.all_versions(), timeout_s)
+        budget = self.receive_budget
+        budget.unread_refusal = lambda timeout_s: refusal_for_unread(core.all_versions(), timeout_s, budget.reading)
         self._readiness: asyncio.Task | None = None
         self._serving: bool | None = None
         """What grpc.health.v1 says now (None: not set yet)."""

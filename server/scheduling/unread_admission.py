@@ -16,15 +16,16 @@ from typing import Any
 __all__ = ["refusal_for_unread"]
 
 
-def refusal_for_unread(models: Iterable[Any], timeout_s: float | None = None) -> str | None:
+def refusal_for_unread(models: Iterable[Any], timeout_s: float | None = None, reading: int = 0) -> str | None:
     """The refusal every model in ``models`` (served models, each with a ``batcher``) would give any request
-    now; None as soon as one might admit it, or has no batcher that can say (nothing is refused unread)."""
+    now, with ``reading`` admitted requests still being read; None as soon as one might admit it, or has no
+    batcher that can say (nothing is refused unread)."""
     reason = None
     for model in models:
         check = getattr(getattr(model, "batcher", None), "refusal_before_read", None)
         if check is None:
             return None
-        reason = check(timeout_s)
+        reason = check(timeout_s, reading)
         if reason is None:
             return None
     return reason
