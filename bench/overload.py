@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -104,6 +104,10 @@ class OverloadResult:
     warnings: list[str] = field(default_factory=list)
     generator: dict[str, Any] = field(default_factory=dict)
     """``--mlperf``: rate offered vs sent, send lateness, whether the generator kept up (bench.serialized_load)."""
+    time_breakdown: dict[str, Any] = field(default_factory=dict)
+    """``--mlperf`` with a started server: where an admitted request's time went (``where_time_went``)."""
+    pinning: dict[str, list[int]] = field(default_factory=dict)
+    """CPUs the server and the generator ran on (capacity and overload alike); empty: not pinned."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,9 +219,14 @@ def run_overload_serialized(url: str, model: str, *, factor: float = 3.0, durati
                             query_size: str = "mlperf", capacity_s: float = 5.0, concurrency: int = 16,
                             probes: int = 10, pid: int | None = None, seed: int = 0,
                             capacity_qps: float | None = None, senders: int = 1, pool: int = 16,
-                            max_outstanding: int = 1024) -> OverloadResult:
-    """The three phases with ``bench.serialized_load``'s generator (pre-serialized requests, ``senders`` processes)."""
-    from bench.serialized_load import KEPT_UP_LAG_MS, build_pool, closed_loop, run_senders, summarize_sends
+                            max_outstanding: int = 1024,
+                            model_times: Callable[[], dict[str, Any]] | None = None) -> OverloadResult:
+    """The three phases with ``bench.serialized_load``'s generator (pre-serialized requests, ``senders`` processes).
+
+    ``model_times``: the served model's totals (``ServerProcess.model_times``), read before and after the
+    overload for ``where_time_went``."""
+    from bench.serialized_load import KEPT_UP_LAG_MS, OK as SENT_OK, build_pool, closed_loop, run_senders, \
+        summarize_sends
 
     requests = build_pool(url, model, size=pool, query_size=query_size, seed=seed)
     if capacity_qps is None:
@@ -229,12 +238,19 @@ def run_overload_serialized(url: str, model: str, *, factor: float = 3.0, durati
     peak, stop = [before], threading.Event()
     sampler = threading.Thread(target=_sample_rss_thread, args=(pid, peak, stop, result.rss_timeline), daemon=True)
     sampler.start()
+    times_before = model_times() if model_times is not None else None
     try:
         sends = run_senders(url, model, offered, duration_s, senders=senders, pool_size=pool, query_size=query_size,
                             seed=seed + 1, max_outstanding=max_outstanding)
     finally:
         stop.set()
         sampler.join(5)
+    if times_before is not None:
+        answered = (sends.done - sends.sent)[sends.outcome == SENT_OK] * 1e3
+        if answered.size:
+            client = {"mean": round(float(answered.mean()), 1), "p50": round(float(np.percentile(answered, 50)), 1),
+                      "p99": round(float(np.percentile(answered, 99)), 1)}
+            result.time_breakdown = where_time_went(times_before, model_times(), client)
     result.recovery_ms, result.recovery_errors = asyncio.run(_probe(url, requests.payloads[0], probes))
     result.rss_mb = {"before": round(before, 1), "peak": round(peak[0], 1), "after": round(rss_mb(pid), 1)}
     summary = summarize_sends(sends, offered, duration_s)
@@ -261,9 +277,67 @@ def run_overload_serialized(url: str, model: str, *, factor: float = 3.0, durati
     return result
 
 
+def parse_cpus(text: str) -> set[int]:
+    """``"0"``, ``"0-3"``, ``"0,2-3"`` -> a set of CPU numbers; ValueError naming the text when malformed."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"a CPU list is like 0 or 0-3 or 0,2-3, got {text!r}") from None
+    if not cpus:
+        raise ValueError(f"a CPU list is like 0 or 0-3 or 0,2-3, got {text!r}")
+    return cpus
+
+
+def choose_pinning(server: str, generator: str, usable: set[int]) -> dict[str, list[int]]:
+    """CPUs for the server and for the generator; ``"auto"`` splits ``usable`` in two halves (the server
+    the first) when there are at least 2, ``"none"`` (either) does not pin. Empty: not pinned.
+
+    On a 2-core host a generator that shares the server's cores sends late and steals the server's CPU,
+    so neither the offered load nor the capacity it is a multiple of is what the report says.
+    """
+    if "none" in (server, generator):
+        return {}
+    ordered = sorted(usable)
+    if server == "auto" and generator == "auto":
+        if len(ordered) < 2:
+            return {}
+        half = len(ordered) // 2
+        return {"server": ordered[:half], "generator": ordered[half:]}
+    mine = sorted(parse_cpus(server)) if server != "auto" else None
+    theirs = sorted(parse_cpus(generator)) if generator != "auto" else None
+    if mine is None:
+        mine = [c for c in ordered if c not in set(theirs or [])] or ordered
+    if theirs is None:
+        theirs = [c for c in ordered if c not in set(mine)] or ordered
+    for name, cpus in (("--server-cpus", mine), ("--generator-cpus", theirs)):
+        if not set(cpus) <= usable:
+            raise ValueError(f"{name} {cpus}: not all usable here (usable: {ordered})")
+    return {"server": mine, "generator": theirs}
+
+
+def _pin_process(pid: int, cpus: list[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (sched_setaffinity on a pid moves only its main thread)."""
+    import os
+
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
 def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_options: dict[str, Any], conn: Any,
-                 max_rows: int = 2000) -> None:
+                 max_rows: int = 2000, cpus: list[int] | None = None) -> None:
     """In a child process: serve ``model`` on simcards, send the URL up ``conn``, serve until told to stop."""
+    import os
+
+    from sixfold.server.memory.allocator import keep_freed_memory
+
+    if cpus:  # first, so that every thread the server starts inherits it
+        os.sched_setaffinity(0, cpus)
+    # NOTE: as sixfold-serve does, before any thread: threads that allocated before it keep arenas of their
+    # own, whose freed request buffers the batcher's trim does not bring back (measured: RSS idle + 4.2 GiB)
+    keep_freed_memory()
     from sixfold.partitioner.compile import partition_builtin
     from sixfold.server.app import BackgroundServer, ServerConfig
     from sixfold.server.scheduling.batcher import BatchingConfig
@@ -283,10 +357,52 @@ def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_optio
                                   metrics).start()
     conn.send(background.url)
     try:
-        conn.recv()  # "stop", or EOF when the parent is gone
+        while conn.recv() == "times":  # anything else ("stop"), or EOF when the parent is gone, stops it
+            conn.send(_model_times(served))
     except EOFError:
         pass
     background.stop()
+
+
+def _model_times(served: Any) -> dict[str, Any]:
+    """The served model's own totals so far (from its metrics): answered requests, their summed seconds in
+    the model (queue, host stage, card stage, all), and bucket counts of their time in the model and queue."""
+    m = served._metrics
+    return {"requests": m.requests, "total_s": m.request_s, "queue_s": m.queue_s, "host_s": m.host_s,
+            "card_s": m.card_s, "bounds": list(m.request_seconds.bounds),
+            "total_counts": list(m.request_seconds.counts), "queue_counts": list(m.queue_seconds.counts),
+            "refused_in_model": m.failures.get("overloaded", 0),
+            "refused_unread": served.metrics.refused.labels("grpc", "overloaded")._value.get(),
+            "refused_by_receive_budget": served.metrics.refused.labels("grpc", "receive_budget")._value.get()}
+
+
+def _bucket_p99_ms(bounds: list[float], counts: list[int]) -> float | None:
+    """The bucket bound (ms) at or under which 99% of the counted values lie (None: none counted)."""
+    total, running = sum(counts), 0
+    for bound, count in zip([*bounds, float("inf")], counts):
+        running += count
+        if total and running >= 0.99 * total:
+            return round(bound * 1e3, 1)
+    return None
+
+
+def where_time_went(before: dict[str, Any], after: dict[str, Any], client_ms: dict[str, float]) -> dict[str, Any]:
+    """An admitted request's time, from the model's totals over the overload (``after`` less ``before``) and the
+    client's times from send to answer (``client_ms``: mean, p50, p99): in the model (its queue, host and
+    card stages; mean, and p99 as a bucket bound), and outside it (client minus model: the gRPC stream before
+    the handler, the message's read and decode, the response's encode and send, the client's own)."""
+    n = after["requests"] - before["requests"]
+    if n <= 0:
+        return {}
+    mean = {k: round((after[k] - before[k]) / n * 1e3, 1) for k in ("total_s", "queue_s", "host_s", "card_s")}
+    delta = {k: [a - b for a, b in zip(after[k], before[k])] for k in ("total_counts", "queue_counts")}
+    return {"answered": n, "client_from_send_ms": client_ms,
+            "model_ms": {"mean": mean["total_s"], "p99_le": _bucket_p99_ms(after["bounds"], delta["total_counts"])},
+            "queue_ms": {"mean": mean["queue_s"], "p99_le": _bucket_p99_ms(after["bounds"], delta["queue_counts"])},
+            "host_stage_ms": {"mean": mean["host_s"]}, "card_stage_ms": {"mean": mean["card_s"]},
+            "outside_model_ms": {"mean": round(client_ms["mean"] - mean["total_s"], 1)},
+            "refused": {k: int(after[k] - before[k]) for k in ("refused_unread", "refused_by_receive_budget",
+                                                               "refused_in_model")}}
 
 
 class ServerProcess:
@@ -299,14 +415,15 @@ class ServerProcess:
     """
 
     def __init__(self, model: str = "rm2", *, cards: int = 6, batching: dict[str, Any] | None = None,
-                 slow_factor: float = 1.0, start_timeout_s: float = 180.0, max_rows: int = 2000) -> None:
+                 slow_factor: float = 1.0, start_timeout_s: float = 180.0, max_rows: int = 2000,
+                 cpus: list[int] | None = None) -> None:
         import multiprocessing
 
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe()
         options = {"faults": {"slow_factor": slow_factor}} if slow_factor != 1.0 else {}
         self.process = spawn.Process(target=_serve_child, args=(model, cards, dict(batching or {}), options, child,
-                                                                max_rows), daemon=True)
+                                                                max_rows, cpus), daemon=True)
         self.start_timeout_s = start_timeout_s
         self.url = ""
 
@@ -327,6 +444,13 @@ class ServerProcess:
             raise RuntimeError(f"server process did not start in {self.start_timeout_s:g} s "
                                f"(exit code {self.process.exitcode})") from None
         return self
+
+    def model_times(self) -> dict[str, Any]:
+        """The served model's own totals so far (``where_time_went`` takes two of them)."""
+        self._conn.send("times")
+        if not self._conn.poll(30):
+            raise RuntimeError("the server process did not answer for its times in 30 s")
+        return self._conn.recv()
 
     @property
     def alive(self) -> bool:
@@ -393,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factor", type=float, default=3.0, help="offered load as a multiple of capacity (default 3)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of overload (default 30)")
     p.add_argument("--capacity-qps", type=float, help="skip the capacity phase and take this")
+    p.add_argument("--capacity-concurrency", type=int, default=16,
+                   help="--mlperf: requests outstanding in the capacity phase's closed loop (default 16; with "
+                        "--mlperf 4: more only adds refused retries that cost the server, not answers)")
     p.add_argument("--query-size", default="uniform:1-8", help="loadgen query size spec (default uniform:1-8)")
     p.add_argument("--probes", type=int, default=10, help="recovery requests after the overload (default 10)")
     p.add_argument("--mlperf", action="store_true",
@@ -407,20 +534,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-outstanding", type=int, default=1024,
                    help="--mlperf: unanswered requests at once, over all senders; a request due past it is not "
                         "sent and counted as the generator falling behind (default 1024)")
+    p.add_argument("--server-cpus", default="auto",
+                   help="CPUs of the started server, like 0 or 0-3 (default auto: the first half of the usable "
+                        "CPUs when there are >= 2; none: not pinned). With --url and --pid: that server's")
+    p.add_argument("--generator-cpus", default="auto",
+                   help="CPUs of the load generator (capacity phase and senders alike; default auto: the "
+                        "usable CPUs the server does not get)")
     p.add_argument("--plot", help="draw the server's RSS over the overload into this PNG")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     if args.mlperf:  # flags left at their defaults take the MLPerf case's
         defaults = {"query_size": ("uniform:1-8", "mlperf"), "slow_factor": (5000.0, 1.0),
-                    "max_batch_rows": (32, 1024), "max_queue_size": (32, 256)}
+                    "max_batch_rows": (32, 1024), "max_queue_size": (32, 256),
+                    "capacity_concurrency": (16, 4)}
         for name, (default, mlperf) in defaults.items():
             if getattr(args, name) == default:
                 setattr(args, name, mlperf)
-    def go(url: str, pid: int | None) -> OverloadResult:
+        from sixfold.server.scheduling.batcher import DEFAULT_QUEUE_WORK_MS, DEFAULT_TIMEOUT_US
+        if args.max_queue_work_ms is None:  # as sixfold-serve at its defaults
+            args.max_queue_work_ms = DEFAULT_QUEUE_WORK_MS
+        if args.default_timeout_us is None:
+            args.default_timeout_us = DEFAULT_TIMEOUT_US
+    import os
+
+    try:
+        pinning = choose_pinning(args.server_cpus, args.generator_cpus, os.sched_getaffinity(0))
+    except ValueError as exc:
+        p.error(str(exc))
+    if pinning:
+        os.sched_setaffinity(0, pinning["generator"])  # the senders are spawned from here and inherit it
+        if args.url and args.pid:
+            _pin_process(args.pid, pinning["server"])
+        print(f"overload: server on CPUs {pinning['server']}, generator on CPUs {pinning['generator']}",
+              file=sys.stderr)
+    else:
+        print("overload: not pinned (server and generator share the CPUs)", file=sys.stderr)
+    def go(url: str, pid: int | None, model_times: Callable[[], dict[str, Any]] | None = None) -> OverloadResult:
         if args.mlperf:
             return run_overload_serialized(url, args.model, factor=args.factor, duration_s=args.duration,
                                            query_size=args.query_size, pid=pid, capacity_qps=args.capacity_qps,
                                            probes=args.probes, senders=args.senders, pool=args.pool,
+                                           concurrency=args.capacity_concurrency, model_times=model_times,
                                            max_outstanding=args.max_outstanding)
         return asyncio.run(run_overload(url, args.model, factor=args.factor, duration_s=args.duration,
                                         query_size=args.query_size, pid=pid, capacity_qps=args.capacity_qps,
@@ -437,11 +591,12 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 batching[key] = value
         with ServerProcess(args.model, cards=args.cards, batching=batching, slow_factor=args.slow_factor,
-                           max_rows=args.max_rows) as server:
-            result = go(server.url, server.pid)
+                           max_rows=args.max_rows, cpus=pinning.get("server")) as server:
+            result = go(server.url, server.pid, server.model_times)
             if not server.alive:
                 print("overload: the server process died", file=sys.stderr)
                 return 1
+    result.pinning = pinning
     data = result.to_dict()
     if args.plot:
         from sixfold.server.scheduling.batcher import DEFAULT_QUEUE_BYTES
