@@ -8,6 +8,7 @@ time is what a client waits for, and the spec (an m2-card's) says nothing about 
 - ``alone``: seconds of one single-thread session on an MLP (``spec_calibrate.mlp_partition``, the shape of a
   recommendation model's top MLP) at a few batch sizes, one call at a time: a per-call cost plus FLOP/s
   that grow with the batch (small GEMMs are slow);
+- ``call_overhead_s``: what a call through simcard itself adds (its worker thread's hand-off), on one row;
 - ``sharing``: with ``k`` cards computing at once (``k`` threads on the one shared session, as simcard runs
   them), how much longer each call takes than alone, ``k`` = 1 .. ``MAX_SHARING``: on 2 usable cores about
   ``k / 2`` from 3 on.
@@ -57,6 +58,8 @@ class EmulationCalibration:
     usable_cores: int
     source: str = field(default="")
     """Where and when it was measured (machine, load average)."""
+    call_overhead_s: float = 0.0
+    """What a call through simcard adds to the session's own time (the hand-off to its worker thread and back)."""
 
     @property
     def effective_cores(self) -> float:
@@ -83,7 +86,7 @@ class EmulationCalibration:
                 if rows <= r1:
                     at = s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
                     break
-        return at * flops_per_item / self.flops_per_item
+        return at * flops_per_item / self.flops_per_item + self.call_overhead_s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +95,7 @@ class EmulationCalibration:
     def from_dict(cls, data: dict) -> "EmulationCalibration":
         cal = cls(tuple(int(r) for r in data["rows"]), tuple(float(s) for s in data["seconds"]),
                   float(data["flops_per_item"]), tuple(float(s) for s in data["sharing"]),
-                  int(data["usable_cores"]), str(data.get("source", "")))
+                  int(data["usable_cores"]), str(data.get("source", "")), float(data.get("call_overhead_s", 0.0)))
         if len(cal.rows) != len(cal.seconds) or len(cal.rows) < 2 or not cal.sharing or cal.flops_per_item <= 0:
             raise ValueError("emulation calibration: needs >= 2 (rows, seconds) points, sharing factors and FLOPs")
         return cal
@@ -143,6 +146,53 @@ def _shared_seconds(session, k: int, calls: int) -> float:  # noqa: ANN001
     return (time.perf_counter() - t0) / calls
 
 
+def _simcard_overhead(session, calls: int = 30) -> float:  # noqa: ANN001
+    """Lower quartile of (a 1-row call through a simcard whose spec is instant) less (the session's own call):
+    what the emulation's plumbing adds. Run on a loop of its own in a thread: the caller may be inside one."""
+    import asyncio
+    import dataclasses
+
+    from sixfold.backends.api import CardRef
+    from sixfold.backends.builtin.simcard import SimCardBackend
+    from sixfold.backends.spec_calibrate import mlp_partition
+    from sixfold.backends.spec_catalog import load_spec
+
+    base = load_spec("m2-card")
+    card = CardRef(0, "m2-card")
+    instant = dataclasses.replace(base, name=card.device_name, link_latency_s=0.0, link_bandwidth=1e15,
+                                  memory_bandwidth=1e15, peak_flops={k: 1e18 for k in base.peak_flops})
+    feed = {"x": np.random.default_rng(1).standard_normal((1, WIDTH)).astype(np.float32)}
+    out: list[float] = []
+
+    def measure() -> None:
+        exe = SimCardBackend().load(mlp_partition(width=WIDTH, layers=LAYERS).for_card(card), instant)
+
+        async def calls_through() -> list[float]:
+            await exe.infer(feed)
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await exe.infer(feed)
+                times.append(time.perf_counter() - t0)
+            return times
+
+        try:
+            through = asyncio.run(calls_through())
+        finally:
+            exe.close()
+        own = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            session.run(None, feed)
+            own.append(time.perf_counter() - t0)
+        out.append(max(0.0, statistics.quantiles(through, n=4)[0] - statistics.quantiles(own, n=4)[0]))
+
+    worker = threading.Thread(target=measure, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    return out[0] if out else 0.0
+
+
 def calibrate_emulation(seconds_budget: float = 4.0, *, rows: Sequence[int] = CALIBRATE_ROWS,
                         max_sharing: int = MAX_SHARING) -> EmulationCalibration:
     """Measure this host's emulated-card speed in about ``seconds_budget`` seconds (half lone, half sharing)."""
@@ -165,7 +215,8 @@ def calibrate_emulation(seconds_budget: float = 4.0, *, rows: Sequence[int] = CA
                        for k in range(2, max_sharing + 1)]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     return EmulationCalibration(rows, lone, 2.0 * WIDTH * WIDTH * LAYERS, tuple(sharing), cores,
-                                f"measured {time.strftime('%Y-%m-%d')} on {machine_key()}, load average {load:.1f}")
+                                f"measured {time.strftime('%Y-%m-%d')} on {machine_key()}, load average {load:.1f}",
+                                _simcard_overhead(session))
 
 
 def emulation_file() -> Path:

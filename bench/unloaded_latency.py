@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-simulate", action="store_true", help="skip sixfold-simulate (the plan and served only)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit this host's serving path (client latency less the server's host and dense stages) "
-                        "and write it where the start-up plan and sixfold-simulate read it")
+                        "and its host stage's cost per id, and write them where the start-up plan and "
+                        "sixfold-simulate read them")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if args.n < 1:
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_flags, sim_flags = _layout_flags(args.backend, args.cards)
     results = []
     path_points: list[tuple[int, float, float]] = []  # (items, serving-path seconds, ids per item)
+    host_points: list[tuple[float, float, float, float]] = []  # (items, ids an item, bags an item, host seconds)
     print(f"load average {os.getloadavg()[0]:.2f} at start; {os.cpu_count()} cpus")
     for model in args.model.split(","):
         server = Server(model, args.max_rows, serve_flags)
@@ -217,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                    "plan_ratio": planned / got if planned else None, "sim_ratio": sim / got if sim else None,
                    "stages_ms": stages[size]}
             results.append(row)
+            config = models.get_config(model)
             if size in paths:
-                path_points.append((size, paths[size], float(sum(models.get_config(model).pooling))))
+                path_points.append((size, paths[size], float(sum(config.pooling))))
+            if stages[size].get("host"):
+                host_points.append((size, float(sum(config.pooling)), float(len(config.pooling)),
+                                    stages[size]["host"] / 1e3))
             fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}"  # noqa: E731
             ratio = lambda v: f"{v:6.2f}" if v is not None else f"{'-':>6}"  # noqa: E731
             st = " ".join(f"{k} {v:.2f}" for k, v in stages[size].items() if k != "server")
@@ -233,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                                f"({args.model}, load average {load:.1f})", [p[2] for p in path_points])
         print(f"serving path: {fit.fixed_s * 1e3:.3f} ms + {fit.per_item_s * 1e6:.2f} us/item + "
               f"{fit.per_id_s * 1e9:.2f} ns/id -> {save_serving_path(fit)}")
+        from sixfold.partitioner.pricing.host_stage_fit import fit_host_stage, save_host_stage
+        host = fit_host_stage(*[[p[k] for p in host_points] for k in range(4)],
+                              f"calibrated {time.strftime('%Y-%m-%d')} by bench/unloaded_latency.py ({args.model}, "
+                              f"load average {load:.1f})")
+        print(f"host stage: {host.fixed_s * 1e3:.3f} ms + {host.per_bag_s * 1e9:.2f} ns/bag + "
+              f"{host.per_id_s * 1e9:.2f} ns/id -> {save_host_stage(host)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=2) + "\n")
     return 0

@@ -637,11 +637,16 @@ def _lone_query(served: Any, plan: Any) -> Any:
     est = plan.estimates
     host_batch = sum(d.batch_seconds for d in est.per_device if d.device == "host")
     priced = lone.terms(est.batch_rows)["host"]
-    if priced > 0 and host_batch > 0 and abs(host_batch / priced - 1) > 1e-6:  # tiered or sharded: as the plan says
+    rescaled = priced > 0 and host_batch > 0 and abs(host_batch / priced - 1) > 1e-6
+    if rescaled:  # tiered or sharded: as the plan says
         lone = dataclasses.replace(lone, host=tuple((r, s * host_batch / priced) for r, s in lone.host))
     pooling = plan.tables.get("pooling") or []
     if pooling and not lone.ids_per_item:
         lone = dataclasses.replace(lone, ids_per_item=float(sum(pooling)))
+    from sixfold.partitioner.pricing.host_stage_fit import load_host_stage, measured_lone_host
+    host_fit = load_host_stage()
+    if host_fit is not None and not rescaled and lone.ids_per_item and pooling:  # measured here, per id and bag
+        lone = measured_lone_host(lone, host_fit, lone.ids_per_item, float(len(pooling)))
     emulated = _emulated_cards(getattr(served, "runtime", None))
     if emulated is not None:  # cards emulated on this host's cores: priced at the speed they reach here
         from sixfold.partitioner.pricing.emulated_card import emulated_lone_query

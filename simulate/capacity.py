@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sixfold.backends.emulation_calibrate import EmulationCalibration
+from sixfold.partitioner.pricing.host_stage_fit import HostStageFit
 from sixfold.partitioner.pricing.served_latency import ServingPath
 from sixfold.simulate.engine import RunResult, ServingSettings, simulate
 from sixfold.simulate.platform import Platform, build_platform
@@ -174,7 +175,8 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
                  warmup_s: float, settings: ServingSettings, seed: int = 0, max_error_rate: float = 0.0,
                  per_request_s: float | None = None, progress: Progress | None = None,
                  jobs: int = 1, serving_path: ServingPath | None = None,
-                 emulation: EmulationCalibration | None = None) -> CardsAnswer:
+                 emulation: EmulationCalibration | None = None,
+                 host_stage_fit: HostStageFit | None = None) -> CardsAnswer:
     """Binary search over 1..``max_cards`` for the fewest cards whose run at ``qps`` passes."""
     if not (qps > 0 and math.isfinite(qps)):
         raise ValueError(f"--qps must be > 0, got {qps}")
@@ -184,6 +186,7 @@ def fewest_cards(model: str, traffic: Traffic, qps: float, p99_ms: float, *, car
     extra: dict = {} if per_request_s is None else {"per_request_s": per_request_s}
     extra["serving_path"] = serving_path
     extra["emulation"] = emulation  # emulated cards here: priced at this host's speed (platform.build_platform)
+    extra["host_stage_fit"] = host_stage_fit
 
     def platform(cards: int) -> Platform:
         return build_platform(model, cards=cards, card_spec=card_spec, host_spec=host_spec,

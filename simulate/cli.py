@@ -234,6 +234,8 @@ def _platform_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if _host_spec(args) == "auto":  # this host: its serving path as calibrated here (or the documented default)
         from sixfold.partitioner.pricing.served_latency import load_serving_path
         kwargs["serving_path"] = load_serving_path()
+        from sixfold.partitioner.pricing.host_stage_fit import load_host_stage
+        kwargs["host_stage_fit"] = load_host_stage()  # measured here by bench/unloaded_latency.py --calibrate
     kwargs["emulation"] = _emulation(args)
     return kwargs
 

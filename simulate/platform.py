@@ -34,6 +34,7 @@ from sixfold.partitioner.compile import partition_builtin
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
 from sixfold.partitioner.pricing.cost import PartitionCost, stage_seconds
 from sixfold.partitioner.pricing.emulated_card import EmulatedCards
+from sixfold.partitioner.pricing.host_stage_fit import HostStageFit
 from sixfold.partitioner.pricing.served_latency import ServingPath
 from sixfold.partitioner.plan import PartitionPlan
 from sixfold.partitioner.precision.dense import DENSE_PRECISIONS
@@ -247,12 +248,15 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
                    dense_precision: str = "fp32", max_rows: int | None = None, strategy: str = "auto",
                    host_dense: bool = True, per_request_s: float = PER_REQUEST_S,
                    host_memory_bytes: int | None = None, serving_path: ServingPath | None = None,
-                   emulation: EmulationCalibration | None = None) -> Platform:
+                   emulation: EmulationCalibration | None = None,
+                   host_stage_fit: HostStageFit | None = None) -> Platform:
     """Plan ``model`` on ``cards`` cards of ``card_spec`` plus the host, priced for simulation.
 
     ``emulation``: the cards are emulated on this host (as ``sixfold-serve --backend auto`` runs them with no
     accelerator): each single-stage lane is priced at the speed the emulation reaches here
     (``pricing.emulated_card``), the spec's time the floor; None: at the spec (a what-if of cards not bought).
+    ``host_stage_fit``: the host stage's cost per id measured on this host (``pricing.host_stage_fit``) prices the
+    host stage instead of the host spec; None: the host spec.
 
     Raises ValueError naming the argument at fault: an unknown model or spec, no cards, a
     precision that does not exist, tables that do not fit the host, a dense part no card fits.
@@ -288,7 +292,10 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
     ids_per_item = float(sum(config.pooling))
     host_cost = _table_precision(partitioned.costs[HOST_PARTITION], table_precision, config.embedding_dim,
                                  ids_per_item)
-    host_stage = StageModel("host", host, host_cost)
+    host_stage: StageModel = StageModel("host", host, host_cost)
+    if host_stage_fit is not None:
+        host_stage = MeasuredStage("host", host, host_cost, fixed_s=host_stage_fit.fixed_s,
+                                   per_item_s=host_stage_fit.per_item_s(ids_per_item, len(config.pooling)))
     stages = plan.dense_stages()
     lanes: list[list[StageModel]] = []
     if stages == [DENSE_PARTITION]:

@@ -131,6 +131,8 @@ class ServedLatency:
     """Queries of at least this many items leave without the window (the batcher's ``no_wait_rows``; 0: none)."""
     dense_source: str = ""
     """How the dense term is priced when not at the cards' spec (emulated cards: ``pricing.emulated_card``)."""
+    host_source: str = ""
+    """How the host term is priced when not by the host spec (measured here: ``pricing.host_stage_fit``)."""
 
     def terms(self, rows: int) -> dict[str, float]:
         """Seconds per term for a ``rows``-item query."""
@@ -146,6 +148,7 @@ class ServedLatency:
         t = {k: v * 1e3 for k, v in self.terms(rows).items()}
         window = f" + batching window {t['window']:.2f}" if t["window"] else ""
         dense = f"; dense: {self.dense_source}" if self.dense_source else ""
+        dense += f"; host: {self.host_source}" if self.host_source else ""
         return (f"a lone {rows}-item query: {sum(t.values()):.2f} ms (host {t['host']:.2f} + dense {t['dense']:.2f} "
                 f"+ serving path {t['serving']:.2f}{window} ms; serving path {self.serving.source}{dense})")
 
@@ -153,7 +156,8 @@ class ServedLatency:
         return {"host": [list(p) for p in self.host], "dense": [list(p) for p in self.dense],
                 "serving": asdict(self.serving), "window_s": self.window_s,
                 "no_wait_rows": self.no_wait_rows, "ids_per_item": self.ids_per_item,
-                **({"dense_source": self.dense_source} if self.dense_source else {})}
+                **({"dense_source": self.dense_source} if self.dense_source else {}),
+                **({"host_source": self.host_source} if self.host_source else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServedLatency":
@@ -163,7 +167,8 @@ class ServedLatency:
                    ServingPath(float(s["fixed_s"]), float(s["per_item_s"]), str(s.get("source", "default")),
                                float(s.get("per_id_s", 0.0))),
                    float(data.get("ids_per_item", 0.0)), float(data.get("window_s", 0.0)),
-                   int(data.get("no_wait_rows", 0)), str(data.get("dense_source", "")))
+                   int(data.get("no_wait_rows", 0)), str(data.get("dense_source", "")),
+                   str(data.get("host_source", "")))
 
 
 def price_lone_query(host_seconds: Callable[[int], float], dense_seconds: Callable[[int], float],

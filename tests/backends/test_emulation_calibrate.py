@@ -18,6 +18,7 @@ def test_a_real_calibration_times_single_thread_calls_and_their_sharing(tmp_path
     assert cal.sharing[0] == 1.0 and len(cal.sharing) == 3 and all(s >= 1.0 for s in cal.sharing)
     assert 1.0 <= cal.effective_cores <= cal.usable_cores
     assert "load average" in cal.source
+    assert 0.0 <= cal.call_overhead_s < 0.05  # simcard's hand-off to its worker thread: well under 50 ms
     with pytest.raises(ValueError, match="seconds_budget"):
         calibrate_emulation(0.0)
 

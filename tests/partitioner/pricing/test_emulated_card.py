@@ -18,6 +18,8 @@ def test_a_call_alone_interpolates_the_measured_times_scaled_by_the_partitions_f
     assert CAL.alone_seconds(1e6, 33) == pytest.approx(1.5e-3)  # half way from 1 to 65 rows
     assert CAL.alone_seconds(3e6, 65) == pytest.approx(6e-3)  # three times the FLOPs a row
     assert CAL.alone_seconds(1e6, 193) == pytest.approx(18e-3)  # the last slope beyond the last size
+    plumbing = EmulationCalibration(CAL.rows, CAL.seconds, 1e6, CAL.sharing, 2, call_overhead_s=1e-4)
+    assert plumbing.alone_seconds(1e6, 65) == pytest.approx(2.1e-3)  # simcard's own hand-off, once a call
 
 
 def test_sharing_is_time_slicing_over_the_fitted_cores() -> None:
