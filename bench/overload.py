@@ -333,8 +333,8 @@ def _serve_child(model: str, cards: int, batching: dict[str, Any], backend_optio
 
     from sixfold.server.memory.allocator import keep_freed_memory
 
-    if cpus:  # first, so that every thread the server starts inherits it
-        os.sched_setaffinity(0, cpus)
+    if cpus:  # first, so that every thread the server starts inherits it (and those numpy's import started)
+        _pin_process(os.getpid(), cpus)
     # NOTE: as sixfold-serve does, before any thread: threads that allocated before it keep arenas of their
     # own, whose freed request buffers the batcher's trim does not bring back (measured: RSS idle + 4.2 GiB)
     keep_freed_memory()
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     if pinning:
-        os.sched_setaffinity(0, pinning["generator"])  # the senders are spawned from here and inherit it
+        _pin_process(os.getpid(), pinning["generator"])  # the senders are spawned from here and inherit it
         if args.url and args.pid:
             _pin_process(args.pid, pinning["server"])
         print(f"overload: server on CPUs {pinning['server']}, generator on CPUs {pinning['generator']}",
