@@ -36,6 +36,14 @@ generic unary call whose request serializer is identity) by ``--senders`` proces
 the rate. The report's ``generator`` says the rate offered against the rate sent and how late
 sends were (``kept_up``): a run whose generator did not keep up says nothing about 10x.
 
+On a host with 2 or more usable CPUs the started server and the generator (capacity phase and
+senders) run on CPUs of their own, printed and kept in the report's ``pinning`` (``--server-cpus``,
+``--generator-cpus``; ``none`` shares them): a generator on the server's cores steals the CPU the
+capacity R and the overload are measured with. With ``--mlperf`` the report's ``time_breakdown``
+says where an admitted request's time went: in the model (queue, host and card stages, from its
+metrics) against its time from send to answer, and how many were refused unread, by the receive
+budget or by the model (docs/admission.md, "Refused before the message is read").
+
 ``tests/server/scheduling/test_overload.py`` runs the same phases for 8 s.
 """
 
