@@ -272,6 +272,10 @@ def run_overload_serialized(url: str, model: str, *, factor: float = 3.0, durati
     result.generator = {key: summary[key] for key in ("offered_qps", "sent_qps", "scheduled", "sent", "skipped",
                                                       "send_lag_ms", "kept_up", "mean_items")}
     result.generator.update(senders=senders, pool=pool, pool_mean_mb=round(requests.mean_bytes / 2**20, 2))
+    if result.goodput_qps > 1.1 * result.capacity_qps:
+        result.warnings.append(f"the overload answered {result.goodput_qps} q/s, more than the capacity measured "
+                               f"({result.capacity_qps} q/s): capacity was measured low (a busy host?), so the "
+                               f"load was less than {factor:g}x; rerun, or give --capacity-qps")
     if not summary["kept_up"]:
         lag = summary["send_lag_ms"]["p99"]
         why = []
