@@ -5,6 +5,9 @@ functional backend takes: one single-thread ONNX Runtime session per card (share
 the same partition), all on the host's own cores. On a host with fewer usable cores than cards that real
 time is what a client waits for, and the spec (an m2-card's) says nothing about it. This module measures it:
 
+Every measuring thread runs as nice as simcard's card workers (``DEFAULT_WORKER_NICE``): on a host busy with
+other work they get the share the cards get.
+
 - ``alone``: seconds of one single-thread session on an MLP (``spec_calibrate.mlp_partition``, the shape of a
   recommendation model's top MLP) at a few batch sizes, one call at a time: a per-call cost plus FLOP/s
   that grow with the batch (small GEMMs are slow);
@@ -113,6 +116,29 @@ def _session(seed: int = 0):  # noqa: ANN202 - an onnxruntime.InferenceSession
                                 providers=["CPUExecutionProvider"])
 
 
+def _as_card_thread() -> None:
+    """Run the calling thread as nice as simcard runs its card workers: on a busy host they get the same share."""
+    from sixfold.backends.builtin.simcard import DEFAULT_WORKER_NICE
+    from sixfold.backends.os_threads import lower_this_thread
+    lower_this_thread(DEFAULT_WORKER_NICE)
+
+
+def _in_card_thread(fn):  # noqa: ANN001, ANN202
+    """``fn()`` on a thread of its own, as nice as a card worker."""
+    out: list = []
+
+    def run() -> None:
+        _as_card_thread()
+        out.append(fn())
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=600)
+    if not out:
+        raise RuntimeError("emulation calibration: a measuring thread did not finish in 600 s")
+    return out[0]
+
+
 def _lone_seconds(session, rows: int, budget_s: float) -> float:  # noqa: ANN001
     feed = {"x": np.random.default_rng(rows).standard_normal((rows, WIDTH)).astype(np.float32)}
     session.run(None, feed)  # warm-up
@@ -132,6 +158,7 @@ def _shared_seconds(session, k: int, calls: int) -> float:  # noqa: ANN001
     session.run(None, feed)  # warm-up
 
     def worker() -> None:
+        _as_card_thread()
         start.wait()
         for _ in range(calls):
             session.run(None, feed)
@@ -204,7 +231,7 @@ def calibrate_emulation(seconds_budget: float = 4.0, *, rows: Sequence[int] = CA
 
     session = _session()
     rows = tuple(sorted(set(rows)))
-    lone = tuple(_lone_seconds(session, r, seconds_budget / 2 / len(rows)) for r in rows)
+    lone = tuple(_in_card_thread(lambda r=r: _lone_seconds(session, r, seconds_budget / 2 / len(rows))) for r in rows)
     base = min(_shared_seconds(session, 1, 5) for _ in range(TRIES))
     # calls per try so that all k fit the other half of the budget: k x calls x base x (k / cores) per try
     cores = usable_cores().count

@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-simulate", action="store_true", help="skip sixfold-simulate (the plan and served only)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit this host's serving path (client latency less the server's host and dense stages) "
-                        "and its host stage's cost per id, and write them where the start-up plan and "
-                        "sixfold-simulate read them")
+                        "and its host stage's cost per id, measure the emulated cards' speed again, and write "
+                        "them where the start-up plan and sixfold-simulate read them")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if args.n < 1:
@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     path_points: list[tuple[int, float, float]] = []  # (items, serving-path seconds, ids per item)
     host_points: list[tuple[float, float, float, float]] = []  # (items, ids an item, bags an item, host seconds)
     print(f"load average {os.getloadavg()[0]:.2f} at start; {os.cpu_count()} cpus")
+    if args.calibrate:  # the emulated cards' speed too, measured now (the first server measures it again)
+        from sixfold.backends.emulation_calibrate import emulation_file
+        emulation_file().unlink(missing_ok=True)
     for model in args.model.split(","):
         server = Server(model, args.max_rows, serve_flags)
         try:
