@@ -1,8 +1,8 @@
 """A lone query on an idle server: what the start-up plan and the simulator predict vs what is served.
 
 Serves ``--model`` (each of a comma list) with ``sixfold-serve`` in a layout (default: what sixfold-serve
-picks here, the cpu layout on a host with no accelerator; ``--backend simcard --cards 6`` for emulated
-cards), sends lone queries of each ``--sizes`` (sequential, one in flight, ``--n`` each, median) and
+picks here, six emulated cards on a host with no accelerator, priced at the speed they reach here;
+``--backend cpu`` for the cpu layout), sends lone queries of each ``--sizes`` (sequential, one in flight, ``--n`` each, median) and
 prints, per size: the served client latency, ``sixfold-simulate run`` with the same flags at a rate low
 enough that every query is alone (``--query-size fixed:N``), the start-up plan's unloaded latency (the
 JSON plan line, at each size through ``sixfold.partitioner.pricing.served_latency``), and their ratios.
