@@ -77,18 +77,18 @@ class EmulationCalibration:
         """Slowdown of each of ``k`` cards computing at once: ``max(1, k / effective_cores)`` (time-sharing)."""
         return max(1.0, k / self.effective_cores) if k > 1 else 1.0
 
+    @property
+    def seconds_per_row(self) -> float:
+        """The calibration graph's time per row: the median of the slopes from the smallest size to each other
+        (a call is linear in its rows here; the median keeps one size slowed by another process out)."""
+        r0, s0 = self.rows[0], self.seconds[0]
+        return max(0.0, statistics.median((s - s0) / (r - r0) for r, s in zip(self.rows[1:], self.seconds[1:])))
+
     def alone_seconds(self, flops_per_item: float, rows: int) -> float:
-        """One card's call on ``rows`` items of a partition of ``flops_per_item``, alone: the measured time of the
-        calibration graph at ``rows`` (piecewise linear, the last slope beyond), scaled by the FLOPs ratio."""
-        pts = list(zip(self.rows, self.seconds))
-        if rows <= pts[0][0]:
-            at = pts[0][1]
-        else:
-            at = pts[-1][1] + (pts[-1][1] - pts[-2][1]) * (rows - pts[-1][0]) / (pts[-1][0] - pts[-2][0])
-            for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
-                if rows <= r1:
-                    at = s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
-                    break
+        """One card's call on ``rows`` items of a partition of ``flops_per_item``, alone: the calibration graph's
+        time at the smallest size plus ``seconds_per_row`` for each row more, scaled by the FLOPs ratio, plus
+        simcard's own hand-off."""
+        at = self.seconds[0] + self.seconds_per_row * max(0, rows - self.rows[0])
         return at * flops_per_item / self.flops_per_item + self.call_overhead_s
 
     def to_dict(self) -> dict:

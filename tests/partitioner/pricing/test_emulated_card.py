@@ -8,16 +8,18 @@ from sixfold.backends.emulation_calibrate import EmulationCalibration
 from sixfold.partitioner.pricing.emulated_card import EmulatedCards, emulated_lone_query
 from sixfold.partitioner.pricing.served_latency import ServedLatency, ServingPath
 
-# the calibration graph: 1e6 FLOPs a row; 1 ms a call at 1 row, 2 ms at 65, 10 ms at 129 (alone)
-CAL = EmulationCalibration(rows=(1, 65, 129), seconds=(1e-3, 2e-3, 10e-3), flops_per_item=1e6,
+# the calibration graph: 1e6 FLOPs a row; 1 ms a call at 1 row, 2 ms at 65, 3 ms at 129 (alone), and 40 ms at
+# 257, a call another process slowed down
+CAL = EmulationCalibration(rows=(1, 65, 129, 257), seconds=(1e-3, 2e-3, 3e-3, 40e-3), flops_per_item=1e6,
                            sharing=(1.0, 2.0, 3.0, 4.0), usable_cores=2, source="test")
 
 
-def test_a_call_alone_interpolates_the_measured_times_scaled_by_the_partitions_flops() -> None:
+def test_a_call_alone_is_linear_in_its_rows_scaled_by_the_partitions_flops() -> None:
+    assert CAL.seconds_per_row == pytest.approx(1e-3 / 64)  # the median slope: the slowed call is left out
     assert CAL.alone_seconds(1e6, 1) == pytest.approx(1e-3)
-    assert CAL.alone_seconds(1e6, 33) == pytest.approx(1.5e-3)  # half way from 1 to 65 rows
+    assert CAL.alone_seconds(1e6, 33) == pytest.approx(1.5e-3)
     assert CAL.alone_seconds(3e6, 65) == pytest.approx(6e-3)  # three times the FLOPs a row
-    assert CAL.alone_seconds(1e6, 193) == pytest.approx(18e-3)  # the last slope beyond the last size
+    assert CAL.alone_seconds(1e6, 257) == pytest.approx(5e-3)  # not the slowed 40 ms
     plumbing = EmulationCalibration(CAL.rows, CAL.seconds, 1e6, CAL.sharing, 2, call_overhead_s=1e-4)
     assert plumbing.alone_seconds(1e6, 65) == pytest.approx(2.1e-3)  # simcard's own hand-off, once a call
 
