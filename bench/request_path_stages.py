@@ -13,6 +13,13 @@ items of ``--model``), the model loaded as ``sixfold-serve`` loads it (simulated
   serialize  ``SerializeToString`` of that response (what grpc does with it)
   stats      ``ModelStats.record_success`` and the Prometheus ``record_success`` of one request
 
+With ``--workers N`` a request also crosses from its front end to the engine and back
+(``sixfold.server.workers.engine_channel``): ``hop`` is that crossing's CPU per request, both ends in
+this process on one uvloop loop over a real Unix socket and real arenas, ``--hop-concurrency``
+requests in flight for ``--hop-seconds`` (0: left out), the engine's model replaced by one that answers
+zeros at once so the figure is the channel's own. It is printed apart from the stages' total. Across
+two processes each crossing also wakes the other process; that cost is not in this figure.
+
 Each figure is the fastest of ``--repeat`` timings of ``--number`` calls (the least disturbed one: on a
 shared host the others are the host's noise, not the code's). The batcher, the stages of a batch and
 gRPC itself are not here: they are shared by a batch or are not Python, and ``serving_path.py`` and
@@ -25,6 +32,7 @@ gRPC itself are not here: they are shared by a batch or are not Python, and ``se
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import timeit
 from collections.abc import Callable
@@ -91,6 +99,65 @@ def _zeros(tensor, rows: int):
     return np.zeros((rows, *tensor.shape[1:]), DTYPES[tensor.datatype])
 
 
+class _ZerosModel:
+    """What the engine serves in the hop: ``scores`` of zeros, answered at once (no batcher, no model)."""
+
+    name, version = "zeros", "1"
+
+    async def infer(self, inputs, requested, timeout_s, priority):
+        import numpy as np
+
+        return {"scores": np.zeros((next(iter(inputs.values())).shape[0], 1), np.float32)}
+
+
+class _ZerosCore:
+    def serving(self, name: str, version: str = "") -> _ZerosModel:
+        return _ZerosModel()
+
+
+async def _hop(model: str, items: int, seconds: float, concurrency: int) -> tuple[float, int]:
+    import tempfile
+    import time
+
+    from bench.serving_path import _requests
+    from sixfold.server.protocol.codec import decode_inputs
+    from sixfold.server.workers.engine_channel import EngineChannel, EngineClient
+
+    inputs = decode_inputs(_requests(model, items)[0])
+    with tempfile.TemporaryDirectory(prefix="sixfold-hop-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+        channel = EngineChannel(_ZerosCore(), Path(d))
+        await channel.start()
+        client = EngineClient(Path(d), 0, 64 << 20, 64 << 20)
+        try:
+            await client.connect()
+            for _ in range(100):  # warm
+                await client.infer("zeros", "", inputs, ["scores"], None, 0)
+            count = 0
+            stop = time.monotonic() + seconds
+
+            async def sender() -> None:
+                nonlocal count
+                while time.monotonic() < stop:
+                    await client.infer("zeros", "", inputs, ["scores"], None, 0)
+                    count += 1
+
+            cpu = time.process_time()
+            await asyncio.gather(*(sender() for _ in range(concurrency)))
+            return (time.process_time() - cpu) / max(count, 1) * 1e6, count
+        finally:
+            await client.close()
+            await channel.close()
+
+
+def hop_us(model: str, items: int, seconds: float, concurrency: int) -> tuple[float, int]:
+    """CPU microseconds per request of the front end -> engine -> front end crossing, and the requests timed."""
+    try:
+        import uvloop
+        return uvloop.run(_hop(model, items, seconds, concurrency))
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(_hop(model, items, seconds, concurrency))
+
+
 def measure(calls: dict[str, Callable[[], object]], number: int, repeat: int) -> dict[str, float]:
     """Microseconds per call of each stage: the fastest of ``repeat`` timings of ``number`` calls."""
     return {name: min(timeit.repeat(call, number=number, repeat=repeat)) / number * 1e6
@@ -103,16 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", type=int, default=1, help="items per request (default 1)")
     parser.add_argument("--number", type=int, default=50000, help="calls per timing (default 50000)")
     parser.add_argument("--repeat", type=int, default=5, help="timings per stage; the fastest counts (default 5)")
+    parser.add_argument("--hop-seconds", type=float, default=1.0,
+                        help="how long to time the front end -> engine hop of --workers N (default 1; 0: left out)")
+    parser.add_argument("--hop-concurrency", type=int, default=16, help="hop requests in flight (default 16)")
     parser.add_argument("--no-write", action="store_true", help="accepted for bench/run_all.py; this bench only prints")
     args = parser.parse_args(argv)
-    if args.items < 1 or args.number < 1 or args.repeat < 1:
-        parser.error("--items, --number and --repeat must be at least 1")
+    if args.items < 1 or args.number < 1 or args.repeat < 1 or args.hop_concurrency < 1:
+        parser.error("--items, --number, --repeat and --hop-concurrency must be at least 1")
+    if not 0 <= args.hop_seconds <= 60:
+        parser.error(f"--hop-seconds must be within 0..60, got {args.hop_seconds:g}")
     figures = measure(stages(args.model, args.items), args.number, args.repeat)
     print(f"request path stages ({args.model}, {args.items} item(s)/request; fastest of {args.repeat} x "
           f"{args.number} calls), us per request:")
     for name, us in figures.items():
         print(f"  {name:10s} {us:7.2f}")
     print(f"  {'total':10s} {sum(figures.values()):7.2f}")
+    if args.hop_seconds:
+        us, count = hop_us(args.model, args.items, args.hop_seconds, args.hop_concurrency)
+        print(f"front end -> engine hop (--workers N; CPU of both ends, {count} requests, {args.hop_concurrency} "
+              f"in flight): {us:.2f} us per request")
     return 0
 
 

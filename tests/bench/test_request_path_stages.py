@@ -26,3 +26,18 @@ def test_a_count_below_one_is_refused_naming_the_flags() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "0"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--number" in proc.stderr
+
+
+def test_the_engine_hop_of_workers_is_timed_over_a_real_socket_and_can_be_left_out() -> None:
+    hop = re.compile(r"^front end -> engine hop .*, (\d+) requests, 4 in flight\): ([\d.]+) us per request$", re.M)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "20", "--repeat", "1", "--hop-seconds", "0.3",
+                           "--hop-concurrency", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    match = hop.search(proc.stdout)
+    assert match and int(match.group(1)) > 0 and float(match.group(2)) > 0, proc.stdout
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "20", "--repeat", "1", "--hop-seconds", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "hop" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--hop-seconds", "-1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--hop-seconds" in proc.stderr
