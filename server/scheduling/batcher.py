@@ -524,7 +524,7 @@ class DynamicBatcher:
         level.work += cost
         self._rows += rows
         self._work += cost
-        self._mean_cost += 0.1 * (cost - self._mean_cost)
+        self._mean_cost += (0.1 if self._mean_cost else 1.0) * (cost - self._mean_cost)  # the first sets it
         self._bytes += nbytes
         self._waiting += 1
         all_in = False

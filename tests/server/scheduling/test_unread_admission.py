@@ -9,6 +9,7 @@ request is answered or refused, nothing stays held, and the server answers at on
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +23,7 @@ from sixfold.server.app import BackgroundServer, ServerConfig
 from sixfold.server.core import InferenceCore
 from sixfold.server.loading.loader import load_partitioned
 from sixfold.server.observability.metrics import ServerMetrics
+from sixfold.server.errors import Overloaded
 from sixfold.server.scheduling.batcher import BatchingConfig
 from tests.conftest import triton_inputs
 
@@ -78,3 +80,41 @@ def test_a_burst_past_a_full_queue_is_refused_unread_and_every_request_is_answer
     # Nothing stays held, and once the burst is gone a request is admitted and answered.
     assert background.server.receive_budget.held == 0
     assert _send(background.url, inputs) == "OK"
+
+
+async def test_the_check_before_a_read_agrees_with_enqueue_and_counts_requests_still_being_read() -> None:
+    """``refusal_before_read`` on the real batcher (batches held on the card, the test's clock): None while a
+    request might be admitted; the work bound's refusal once the work ahead passes it with no slot free;
+    and requests still being read count as mean admitted requests (10 ms each here) taking slots."""
+    from tests.server.scheduling.test_admission import FakeClock, HeldModel, _drain, _one_at_a_time, _request, \
+        _settle, per_row_ms
+
+    model = HeldModel()
+    batcher = _one_at_a_time(model, clock=FakeClock(), cost=per_row_ms(10), max_queue_work_ms=30)
+    assert batcher.refusal_before_read() is None  # idle: a slot is free
+    assert batcher.refusal_before_read(reading=1) is None  # that read takes the slot, nothing waits ahead
+    running = [asyncio.ensure_future(batcher.submit(_request(1), 1)) for _ in range(4)]
+    await _settle()  # one on the card, 30 ms of work queued: at the bound, not over it
+    assert batcher.refusal_before_read() is None
+    reason = batcher.refusal_before_read(reading=1)  # + one mean request being read: 40 ms ahead
+    assert reason is not None and "40.0 ms of work waiting ahead exceeds max_queue_work_ms 30" in reason
+    assert "refused before its message was read" in reason
+    running.append(asyncio.ensure_future(batcher.submit(_request(1), 1)))
+    await _settle()
+    reason = batcher.refusal_before_read()
+    assert reason is not None and "40.0 ms" in reason
+    with pytest.raises(Overloaded, match=r"40\.0 ms of work waiting ahead"):  # enqueue says the same
+        batcher.enqueue(_request(1), 1)
+    model.gate.set()
+    await _drain(running)
+    assert batcher.refusal_before_read() is None
+    await batcher.close()
+
+
+async def test_with_priorities_on_nothing_is_refused_unread() -> None:
+    from tests.server.scheduling.test_admission import FakeClock, HeldModel, _one_at_a_time, per_row_ms
+
+    batcher = _one_at_a_time(HeldModel(), clock=FakeClock(), cost=per_row_ms(10), max_queue_work_ms=30,
+                             max_queue_size=1, priority_levels=2, default_priority_level=2)
+    assert batcher.refusal_before_read(reading=100) is None  # a message may ask for the higher level
+    await batcher.close()
