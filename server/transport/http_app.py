@@ -35,6 +35,7 @@ from sixfold.server.observability.metrics import ServerMetrics
 from sixfold.server.loading.model_config import to_model_config
 from sixfold.server.loading.model_control import authorized_control, check_change_parameters
 from sixfold.server.protocol.shared_memory import NotLocal, check_local_peer, enabled
+from sixfold.server.scheduling.unread_admission import refusal_for_unread
 from sixfold.server.transport.http_limits import BodyTimeout
 
 __all__ = ["BodyTooLarge", "http_status", "build_app"]
@@ -163,6 +164,8 @@ class _Routes:
                  metrics: ServerMetrics | None = None) -> None:
         self.core, self.max_body_bytes, self.control_token = core, max_body_bytes, control_token
         self.metrics = metrics
+        self._reading = 0
+        """Inference bodies being read: each counts as a mean request's work when the next is admitted unread."""
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused (413) once it passes the limit; gzip/deflate inflated."""
@@ -226,8 +229,17 @@ class _Routes:
     @_rest_errors
     async def infer(self, request: Request) -> Response:
         try:
-            body = await self._body(request)
             model = self.core.serving(*_name_version(request))
+            # NOTE: the model is named in the path, so its batcher can refuse before the body is read: under
+            # overload a refused 8.6 MB query then costs no read and no decode (docs/admission.md)
+            refusal = refusal_for_unread([model], None, self._reading)
+            if refusal:
+                raise Overloaded(refusal)
+            self._reading += 1
+            try:
+                body = await self._body(request)
+            finally:
+                self._reading -= 1
             parsed = decode_request(body, request.headers.get(HEADER_LENGTH), self.core.shared_memory)
         except ServingError as exc:
             if self.metrics is not None:
