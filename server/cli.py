@@ -650,6 +650,13 @@ def _lone_query(served: Any, plan: Any) -> Any:
     emulated = _emulated_cards(getattr(served, "runtime", None))
     if emulated is not None:  # cards emulated on this host's cores: priced at the speed they reach here
         from sixfold.partitioner.pricing.emulated_card import emulated_lone_query
+        from sixfold.partitioner.pricing.loaded_stages import served_stage_timing, timed_lone_host
+        from sixfold.partitioner.pricing.served_latency import PRICE_ROWS
+        timing = served_stage_timing(served.name, plan, served.runtime, emulated[0], PRICE_ROWS)
+        if timing is not None:  # the loaded partitions as they ran here (cached by plan and machine)
+            emulated = (dataclasses.replace(emulated[0], timing=timing), emulated[1])
+            if not rescaled:
+                lone = timed_lone_host(lone, timing)
         lone = emulated_lone_query(lone, *emulated)
     config = getattr(getattr(served, "batcher", None), "config", None)
     if config is not None and not config.all_in_dispatch:

@@ -33,9 +33,9 @@ from sixfold.backends.spec_catalog import load_spec
 from sixfold.partitioner.compile import partition_builtin
 from sixfold.partitioner.partitioned import DENSE_PARTITION, HOST_PARTITION
 from sixfold.partitioner.pricing.cost import PartitionCost, stage_seconds
-from sixfold.partitioner.pricing.emulated_card import EmulatedCards
+from sixfold.partitioner.pricing.emulated_card import DEFAULT_MIN_SPLIT_ROWS, EmulatedCards
 from sixfold.partitioner.pricing.host_stage_fit import HostStageFit
-from sixfold.partitioner.pricing.served_latency import ServingPath
+from sixfold.partitioner.pricing.served_latency import ServingPath, _interpolate
 from sixfold.partitioner.plan import PartitionPlan
 from sixfold.partitioner.precision.dense import DENSE_PRECISIONS
 from sixfold.partitioner.placement.strategy import ACTIVATION_HEADROOM
@@ -99,6 +99,16 @@ class _Sharing:
         seconds = seconds_at(k)
         self.busy_until[lane] = now + seconds
         return seconds
+
+
+@dataclass(eq=False)
+class TimedStage(StageModel):
+    """A stage priced by the (rows, seconds) points the server timed at load (``pricing.loaded_stages``)."""
+
+    points: tuple[tuple[int, float], ...] = ()
+
+    def seconds(self, rows: int) -> float:
+        return _interpolate(self.points, rows)
 
 
 @dataclass(eq=False)
@@ -297,6 +307,15 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
         host_stage = MeasuredStage("host", host, host_cost, fixed_s=host_stage_fit.fixed_s,
                                    per_item_s=host_stage_fit.per_item_s(ids_per_item, len(config.pooling)))
     stages = plan.dense_stages()
+    timing = None
+    if emulation is not None and stages == [DENSE_PARTITION]:  # the server timed this plan here: its figures
+        from sixfold.partitioner.pricing.loaded_stages import load_stage_timing, plan_fingerprint
+        dense_part = next(p for p in plan.partitions if p.name == DENSE_PARTITION)
+        timing = load_stage_timing(plan_fingerprint(
+            model, dense_part, {"rows": config.table_rows, "pooling": config.pooling, "dim": config.embedding_dim},
+            len(plan.devices_of(DENSE_PARTITION)), DEFAULT_MIN_SPLIT_ROWS, True))
+    if timing is not None and len(timing.host) >= 2:
+        host_stage = TimedStage("host", host, host_cost, points=timing.host)
     lanes: list[list[StageModel]] = []
     if stages == [DENSE_PARTITION]:
         dense_cost = _dense_precision(partitioned.costs[DENSE_PARTITION], dense_precision)
@@ -306,7 +325,7 @@ def build_platform(model: str, *, cards: int = 6, card_spec: str | DeviceSpec = 
         io = partitioned.io_bytes[DENSE_PARTITION]
         devices = plan.devices_of(DENSE_PARTITION)
         if emulation is not None:
-            emulated = EmulatedCards(emulation, len(devices))
+            emulated = EmulatedCards(emulation, len(devices), timing=timing)
             sharing = _Sharing()
             lanes = [[EmulatedStage(device, plan.device(device).spec, dense_cost, *io, emulated=emulated,
                                     sharing=sharing)] for device in devices]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sixfold.backends.emulation_calibrate import EmulationCalibration
+from sixfold.partitioner.pricing.loaded_stages import StageTiming
 from sixfold.partitioner.pricing.served_latency import ServedLatency, _interpolate
 
 __all__ = ["EmulatedCards", "DEFAULT_MIN_SPLIT_ROWS", "emulated_lone_query"]
@@ -38,6 +39,9 @@ class EmulatedCards:
     min_split_rows: int = DEFAULT_MIN_SPLIT_ROWS
     splittable: bool = True
     """Whether the dense partition's batches may be split across cards (``CardSplit``)."""
+    timing: StageTiming | None = None
+    """The served partition timed here at load (``pricing.loaded_stages``): when set, it prices the cards instead
+    of the calibration graph scaled by FLOPs (which keeps only simcard's own hand-off)."""
 
     def __post_init__(self) -> None:
         if self.cards < 1 or self.min_split_rows < 0:
@@ -54,17 +58,30 @@ class EmulatedCards:
     def part_seconds(self, flops_per_item: float, rows: int, sharing: int,
                      spec_seconds: Callable[[int], float]) -> float:
         """One card's time on ``rows`` items while ``sharing`` cards (itself included) compute at once."""
+        if self.timing is not None and self.timing.dense and sharing > 1 and self.parts(rows * sharing) == sharing:
+            # the last of a lone query's parts: priced as that query's card stage was measured, split the same way
+            return max(float(spec_seconds(rows)), _interpolate(self.timing.dense, rows * sharing)
+                       + self.calibration.call_overhead_s)
+        if self.timing is not None and self.timing.alone:
+            emulated = (_interpolate(self.timing.alone, rows) * self.timing.sharing_factor(sharing)
+                        + self.calibration.call_overhead_s)
+            return max(float(spec_seconds(rows)), emulated)
         emulated = self.calibration.alone_seconds(flops_per_item, rows) * self.calibration.sharing_factor(sharing)
         return max(float(spec_seconds(rows)), emulated)
 
     def lone_seconds(self, flops_per_item: float, rows: int, spec_seconds: Callable[[int], float]) -> float:
         """A lone ``rows``-item batch's card stage: its parts run at once, the largest part last to finish."""
         k = self.parts(rows)
+        if self.timing is not None and self.timing.dense:  # measured as the router splits it
+            measured = _interpolate(self.timing.dense, rows) + self.calibration.call_overhead_s
+            return max(float(spec_seconds(-(-rows // k))), measured)
         return self.part_seconds(flops_per_item, -(-rows // k), k, spec_seconds)
 
     def describe(self) -> str:
         """Where the prices come from, for the plan line and the simulator's output."""
         c = self.calibration
+        if self.timing is not None:
+            return f"{self.cards} emulated cards priced as the served partition ran here ({self.timing.source})"
         return (f"{self.cards} emulated cards priced at this host's speed ({c.effective_cores:.1f} of "
                 f"{c.usable_cores} cores shared; {c.source})")
 
