@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-simulate", action="store_true", help="skip sixfold-simulate (the plan and served only)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit this host's serving path (client latency less the server's host and dense stages) "
-                        "and its host stage's cost per id, measure the emulated cards' speed again, and write "
+                        "and its host stage's cost per id, measure the emulated cards' speed again, drop the "
+                        "served partitions' load-time timings (each server times its own again), and write "
                         "them where the start-up plan and sixfold-simulate read them")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:  # the emulated cards' speed too, measured now (the first server measures it again)
         from sixfold.backends.emulation_calibrate import emulation_file
         emulation_file().unlink(missing_ok=True)
+        from sixfold.partitioner.pricing.loaded_stages import stage_timing_file
+        for timed in stage_timing_file("*").parent.glob(stage_timing_file("*").name):
+            timed.unlink(missing_ok=True)  # each server times its loaded partitions again at start
     for model in args.model.split(","):
         server = Server(model, args.max_rows, serve_flags)
         try:

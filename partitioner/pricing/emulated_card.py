@@ -58,10 +58,9 @@ class EmulatedCards:
     def part_seconds(self, flops_per_item: float, rows: int, sharing: int,
                      spec_seconds: Callable[[int], float]) -> float:
         """One card's time on ``rows`` items while ``sharing`` cards (itself included) compute at once."""
-        if self.timing is not None and self.timing.dense and sharing > 1 and self.parts(rows * sharing) == sharing:
+        if self.timing is not None and self.timing.alone and sharing > 1 and self.parts(rows * sharing) == sharing:
             # the last of a lone query's parts: priced as that query's card stage was measured, split the same way
-            return max(float(spec_seconds(rows)), _interpolate(self.timing.dense, rows * sharing)
-                       + self.calibration.call_overhead_s)
+            return max(float(spec_seconds(rows)), self._timed(rows * sharing) + self.calibration.call_overhead_s)
         if self.timing is not None and self.timing.alone:
             emulated = (_interpolate(self.timing.alone, rows) * self.timing.sharing_factor(sharing)
                         + self.calibration.call_overhead_s)
@@ -72,10 +71,25 @@ class EmulatedCards:
     def lone_seconds(self, flops_per_item: float, rows: int, spec_seconds: Callable[[int], float]) -> float:
         """A lone ``rows``-item batch's card stage: its parts run at once, the largest part last to finish."""
         k = self.parts(rows)
-        if self.timing is not None and self.timing.dense:  # measured as the router splits it
-            measured = _interpolate(self.timing.dense, rows) + self.calibration.call_overhead_s
-            return max(float(spec_seconds(-(-rows // k))), measured)
+        if self.timing is not None and self.timing.alone:  # measured as the router splits it
+            return max(float(spec_seconds(-(-rows // k))), self._timed(rows) + self.calibration.call_overhead_s)
         return self.part_seconds(flops_per_item, -(-rows // k), k, spec_seconds)
+
+    def _timed(self, rows: int) -> float:
+        """A lone ``rows``-item query's card stage from the load-time timing: unsplit, one part's time alone; split
+        in ``k`` parts, the timed query of the same ``k`` nearest in size, scaled by its parts' time alone."""
+        t = self.timing
+        k = self.parts(rows)
+        part = -(-rows // k)
+        if k == 1:
+            return _interpolate(t.alone, part)
+        same = [(r, s) for r, s in t.dense if self.parts(r) == k]
+        if not same:
+            return _interpolate(t.alone, part) * t.sharing_factor(k)
+        if len(same) >= 2:
+            return _interpolate(same, rows)
+        r, s = same[0]
+        return s * _interpolate(t.alone, part) / max(1e-12, _interpolate(t.alone, -(-r // k)))
 
     def describe(self) -> str:
         """Where the prices come from, for the plan line and the simulator's output."""

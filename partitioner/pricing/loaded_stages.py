@@ -15,8 +15,8 @@ loaded partitions once, at load, in a second or two:
 
 The figures are cached by the plan's fingerprint (``plan_fingerprint``: the model, its dense partition's shape,
 the tables, the cards and the split) and the machine (``stage_timing_file``); a cache hit costs nothing, and
-``sixfold-simulate`` reads the same file for the same plan. Each figure is the fastest of a few tries: another
-process only ever slows a call.
+``sixfold-simulate`` reads the same file for the same plan. Each figure is the median of a few tries, as the
+served figures it predicts are medians on a host that other processes share.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ __all__ = ["StageTiming", "plan_fingerprint", "stage_timing_file", "load_stage_t
            "time_dense", "time_host", "TRIES", "ALONE_ROWS", "HOST_ROWS"]
 
 TRIES = 5
-"""Each figure is the fastest of this many tries."""
+"""Each figure is the median of this many tries."""
 ALONE_ROWS: tuple[int, ...] = (1, 16, 64, 128, 256)
 """Part sizes one part is timed alone at (a split part of a 1,024-item query is 171 rows on six cards)."""
 HOST_ROWS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024)
@@ -149,14 +150,15 @@ def _at_once(run: Callable[[int], Any], sizes: Sequence[int], nice: int | None) 
     return max(e for _, e in stamps) - min(s for s, _ in stamps)
 
 
-def _fastest(fn: Callable[[], float], deadline: float) -> float | None:
-    best = None
+def _typical(fn: Callable[[], float], deadline: float) -> float | None:
+    """The median of ``TRIES`` runs of ``fn`` (fewer past ``deadline``): what a lone query meets on this host as
+    it is, other processes included, as the served median does."""
+    took: list[float] = []
     for _ in range(TRIES):
-        if time.perf_counter() > deadline and best is not None:
+        if time.perf_counter() > deadline and took:
             break
-        took = fn()
-        best = took if best is None else min(best, took)
-    return best
+        took.append(fn())
+    return statistics.median(took) if took else None
 
 
 def time_dense(run: Callable[[int], Any], parts: Callable[[int], int], price_rows: Sequence[int], *,
@@ -171,13 +173,13 @@ def time_dense(run: Callable[[int], Any], parts: Callable[[int], int], price_row
     for rows in price_rows:
         k = max(1, parts(rows))
         sizes = [len(chunk) for chunk in _split(rows, k)]
-        took = _fastest(lambda: _at_once(run, sizes, nice), deadline)
+        took = _typical(lambda: _at_once(run, sizes, nice), deadline)
         if took is None:
             break
         dense.append((int(rows), took))
     alone = []
     for rows in ALONE_ROWS:
-        took = _fastest(lambda: _at_once(run, [rows], nice), deadline)
+        took = _typical(lambda: _at_once(run, [rows], nice), deadline)
         alone.append((rows, took))
     part = ALONE_ROWS[-2]
     base = dict(alone)[part]
@@ -185,7 +187,7 @@ def time_dense(run: Callable[[int], Any], parts: Callable[[int], int], price_row
     for k in range(2, max_sharing + 1):
         if time.perf_counter() > deadline:
             break
-        took = _fastest(lambda: _at_once(run, [part] * k, nice), deadline)
+        took = _typical(lambda: _at_once(run, [part] * k, nice), deadline)
         sharing.append(max(1.0, took / base))
     return tuple(dense), tuple(alone), tuple(sharing)
 
@@ -221,12 +223,12 @@ def _time_lookups(prepared: list[tuple[int, Callable[[], Any]]], deadline: float
     def fastest(lookups: Callable[[], Any]) -> float:
         lookups()  # warm-up at this size and thread count: the first calls pay one-off costs
         lookups()
-        best = float("inf")
+        took = []
         for _ in range(TRIES):
             t0 = time.perf_counter()
             lookups()
-            best = min(best, time.perf_counter() - t0)
-        return best
+            took.append(time.perf_counter() - t0)
+        return statistics.median(took)
 
     workers = torch.get_num_threads()
     out = []

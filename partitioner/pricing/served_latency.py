@@ -78,7 +78,8 @@ def save_serving_path(path_cost: ServingPath, path: Path | None = None) -> Path:
 
 def fit_serving_path(rows: Sequence[int], seconds: Sequence[float], source: str,
                      ids_per_item: Sequence[float] | None = None) -> ServingPath:
-    """Least squares ``fixed + per_item x rows + per_id x ids`` through measured serving-path seconds, all >= 0.
+    """Least squares (relative error) ``fixed + per_item x rows + per_id x ids`` through measured serving-path
+    seconds, all >= 0.
 
     The per-id term is fitted only when the points span two ids-per-item ratios (two models); else it is
     ``DEFAULT_SERVING_PATH``'s, and the other terms are fitted with it taken out.
@@ -91,13 +92,18 @@ def fit_serving_path(rows: Sequence[int], seconds: Sequence[float], source: str,
     x = np.asarray(rows, dtype=float)
     ids = x * np.asarray(ratios, dtype=float)
     y = np.asarray(seconds, dtype=float)
+    # relative error: a 1-item query's 1 ms counts as much as a 700-item one's 10 ms (unweighted, the large sizes
+    # set the fixed term and it came out 0.5 ms high at 1 item on the development VM)
+    w = 1.0 / np.maximum(y, 1e-6)
     if len(set(ratios)) >= 2:
-        (fixed, per_item, per_id), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), x, ids]), y, rcond=None)
+        a = np.column_stack([np.ones_like(x), x, ids]) * w[:, None]
+        (fixed, per_item, per_id), *_ = np.linalg.lstsq(a, y * w, rcond=None)
         if per_id < 0:
             per_id = 0.0
     else:
         per_id = DEFAULT_SERVING_PATH.per_id_s
-    (fixed, per_item), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), y - per_id * ids, rcond=None)
+    a = np.column_stack([np.ones_like(x), x]) * w[:, None]
+    (fixed, per_item), *_ = np.linalg.lstsq(a, (y - per_id * ids) * w, rcond=None)
     if per_item < 0:  # a flat path: its mean, no slope
         fixed, per_item = float(np.mean(y - per_id * ids)), 0.0
     return ServingPath(max(0.0, float(fixed)), float(per_item), source, float(per_id))

@@ -76,3 +76,11 @@ def test_the_plan_carries_the_lone_query_terms_and_they_match_its_batch_estimate
     old = plan.to_dict()
     del old["estimates"]["served"]  # a plan written before the terms existed still loads
     assert PartitionPlan.from_dict(old).estimates.served is None
+
+
+def test_the_serving_path_fit_keeps_a_small_querys_fixed_term_close() -> None:
+    # measured paths that are not a line: 0.7 ms at 1 item, a bump at 100; an unweighted fit gives the 1-item
+    # query 0.85 ms (21% high: the large sizes set the intercept), the relative fit stays within 10%
+    rows, seconds = [1, 16, 100, 270, 700], [0.7e-3, 0.75e-3, 1.5e-3, 1.7e-3, 3.0e-3]
+    fit = fit_serving_path(rows, seconds, "test", [26.0] * 5)
+    assert fit.seconds(1, 26.0) == pytest.approx(0.7e-3, rel=0.1)
