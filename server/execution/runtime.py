@@ -58,6 +58,8 @@ CardFault = Callable[[int, str], None]
 DEFAULT_MIN_SPLIT_ROWS = 64
 """A batch of at least twice this many rows is split over cards (``PlanRuntime``)."""
 DEFAULT_CARD_SCHEDULING = "fifo"
+MAX_EXPLORE_SPREAD = 16.0
+"""``HostDenseTuner`` explores a side at most this many times less often than ``explore_every`` (see ``_every``)."""
 """``--card-scheduling``'s default (see ``sixfold.server.scheduling.card_gate``)."""
 T = TypeVar("T")
 
@@ -150,8 +152,27 @@ class HostDenseTuner:
             if now - other.at > self.stale_after_s and now - self._explored.get(key, -math.inf) > self.stale_after_s:
                 self._explored[key] = now  # once, not with every batch until its answer is in
                 return not host
-        every = self.explore_every if other is not None and other.count >= self.min_samples else 2
+        every = self._every(host, b) if other is not None and other.count >= self.min_samples else 2
         return (not host) if n % every == 0 else host
+
+    def _every(self, host: bool, bucket: int) -> int:
+        """One batch in how many of ``bucket`` explores the other side: ``explore_every`` x how many times slower
+        it is (1..``MAX_EXPLORE_SPREAD``), so exploring costs about the same share of the time however far apart
+        the sides are. Only while the other side was measured within a tenth of ``stale_after_s``: at a few
+        batches a second exploring stays one in ``explore_every`` (a burst's inflated figure comes back as fast
+        as before); at thousands it is explored about ten times a second instead of a hundred.
+
+        NOTE: the tiny model's cards (a thread hand-off, a modelled sleep, ~0.3 ms of CPU) against its host
+        dense (~10 us) made the one-in-20 exploring batch cost the loop more than the other 19 together.
+        """
+        mine = (self._host if host else self._card).get(bucket)
+        other = (self._card if host else self._host)[bucket]
+        if mine is None or mine.count < self.min_samples or mine.value <= 0 or other.value <= mine.value:
+            return self.explore_every
+        if self._clock() - other.at > self.stale_after_s / 10:
+            return self.explore_every
+        spread = min(max(other.value / mine.value, 1.0), MAX_EXPLORE_SPREAD)
+        return max(self.explore_every, int(self.explore_every * spread))
 
     def record(self, rows: int, seconds: float, on_host: bool) -> None:
         """One measured dense stage; retunes the threshold in auto mode."""

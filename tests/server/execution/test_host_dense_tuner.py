@@ -66,3 +66,26 @@ def test_bad_staleness_is_refused() -> None:
         HostDenseTuner(-1, stale_after_s=0)
     with pytest.raises(ValueError, match="decay_s"):
         HostDenseTuner(-1, decay_s=-1)
+
+
+def test_a_side_many_times_slower_is_explored_less_often_at_high_rates_but_still_ten_times_a_second() -> None:
+    clock = Clock()
+    tuner = HostDenseTuner(-1, limit=256, explore_every=20, clock=clock)
+    # The tiny model's shape: 3-row batches, the host's dense 30 us, a simulated card's 0.4 ms, 2,000 batches/s.
+    _traffic(tuner, clock, 1, card_s=0.0004, host_s=0.00003, rows=3, rate=2000)
+    assert tuner.threshold == 4, tuner.snapshot()
+    on_host = _traffic(tuner, clock, 2, card_s=0.0004, host_s=0.00003, rows=3, rate=2000)
+    explored = 2 * 2000 - on_host
+    # One in 20 would be 200; the 13x slower cards get about one in 20 x 13, plus about ten a second.
+    assert 2 * 5 <= explored <= 2 * 2000 // (20 * 13) + 2 * 10 + 2, explored
+    # At 25 batches a second the one-in-20 exploring is unchanged (the other side's figure is over 0.1 s old).
+    slow = 4 * 25 - _traffic(tuner, clock, 4, card_s=0.0004, host_s=0.00003, rows=3, rate=25)
+    assert 4 * 25 // 20 - 1 <= slow <= 4 * 25 // 20 + 1, slow
+
+
+def test_a_side_twice_as_slow_is_explored_one_in_twice_explore_every() -> None:
+    clock = Clock()
+    tuner = HostDenseTuner(-1, limit=256, explore_every=20, clock=clock)
+    _traffic(tuner, clock, 1, card_s=0.001, host_s=0.0005, rows=8, rate=2000)
+    explored = 2000 - _traffic(tuner, clock, 1, card_s=0.001, host_s=0.0005, rows=8, rate=2000)
+    assert 2000 // 40 - 2 <= explored <= 2000 // 40 + 2 + 2, explored  # 2x slower: one in 40
