@@ -33,8 +33,9 @@ def test_the_plan_prices_a_served_lone_query_within_3x_and_the_stages_are_timed(
 
 
 def test_emulated_cards_are_priced_at_this_hosts_speed_within_3x_of_a_served_lone_query() -> None:
-    """The default layout here (auto: six emulated cards on the host's cores): the plan's dense term is the
-    emulation's speed measured here, not the m2-card spec, and says so. Loose (3x): the host is shared."""
+    """The default layout here (auto: six emulated cards on the host's cores): the plan's dense and host terms
+    are the served partitions as they ran here at load, not the m2-card spec, and say so. Loose (3x): the host
+    is shared."""
     sizes, n = [16, 400], 5
     server = Server("dlrm-mlperf", 2000, _layout_flags("auto", None)[0])
     try:
@@ -44,7 +45,8 @@ def test_emulated_cards_are_priced_at_this_hosts_speed_within_3x_of_a_served_lon
         server.stop()
     assert server.proc.poll() is not None
     lone = server.plan["served_latency"]
-    assert "emulated cards priced at this host's speed" in lone.get("dense_source", ""), lone
+    assert "emulated cards priced as the served partition ran here" in lone.get("dense_source", ""), lone
+    assert "timed at load here" in lone.get("host_source", ""), lone
     for size in sizes:
         got = statistics.median(served[size]) * 1e3
         planned = plan_latency_ms(server.plan, size)
