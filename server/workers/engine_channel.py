@@ -1,7 +1,10 @@
 """The channel between the front ends and the engine of ``sixfold-serve --workers N``.
 
 One Unix stream socket per front end, in the server's run folder, carries small frames: an
-8-byte prefix (header length, payload length), a JSON header, and rarely a payload. Tensors do
+8-byte prefix (header length, payload length), a header, and rarely a payload. The header is a dict of
+str, int, float, bool, None and lists in ``marshal``'s format: both ends are the same interpreter (the
+front ends are the server's own children, on a socket in its private run folder), and it costs ~3 us a
+header to write and read against ~8.5 us for JSON, twice a request. Tensors do
 not travel on it: a front end copies a request's inputs into its input arena
 (``sixfold.server.workers.arena``) and sends their offsets, dtypes and shapes; the engine views
 them in place, runs the same ``InferenceCore`` path one process runs (``core.serving`` then
@@ -22,7 +25,7 @@ A block of the input arena is freed by the front end only once the engine answer
 from __future__ import annotations
 
 import asyncio
-import json
+import marshal
 import logging
 import struct
 from collections.abc import Mapping, Sequence
@@ -77,7 +80,7 @@ class FrameReader:
             end = body + header_len + payload_len
             if len(buffer) < end:
                 break
-            frames.append((json.loads(buffer[body:body + header_len]),
+            frames.append((marshal.loads(buffer[body:body + header_len]),
                            bytes(buffer[body + header_len:end]) if payload_len else b""))
             start = end
         if start:
@@ -101,8 +104,12 @@ class FrameReader:
 
 
 def frame(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
-    """One frame's bytes: prefix, JSON header, payload."""
-    data = json.dumps(header, separators=(",", ":")).encode()
+    """One frame's bytes: prefix, marshalled header, payload.
+
+    NOTE: marshal writes any object with the buffer protocol as bytes (a numpy float64 among them): a
+    header's numbers are made plain ``int``/``float`` where they are put in, never left to it.
+    """
+    data = marshal.dumps(header)
     return b"".join((_PREFIX.pack(len(data), len(payload)), data, payload))
 
 
@@ -320,8 +327,9 @@ class EngineClient:
         answer = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (answer, placed)
         self._frames.send({"op": "infer", "id": request_id, "model": model, "version": version,
-                                   "inputs": entries, "outputs": list(outputs), "timeout": timeout_s,
-                                   "priority": priority})
+                                   "inputs": entries, "outputs": list(outputs),
+                                   "timeout": None if timeout_s is None else float(timeout_s),
+                                   "priority": int(priority)})
         header, payload = await answer  # cancelled with the client's call: the reader still frees the blocks
         if not header["ok"]:
             raise error_from(header)

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def tiny():
+    return _load_tiny()
+
+
+def _load_tiny():
     from sixfold.server.loading.loader import load_builtin
     from sixfold.server.observability.metrics import ServerMetrics
     from sixfold.server.scheduling.batcher import BatchingConfig
@@ -117,3 +121,21 @@ async def test_frame_reader_refuses_a_header_past_its_bound():
     finally:
         right.close()
         own_writer.close()
+
+
+async def test_numpy_numbers_in_a_request_reach_the_engine_as_plain_numbers(tmp_path):
+    """The header is marshalled, and marshal would write a numpy float64 as bytes: the client makes them plain."""
+    from sixfold.server.core import InferenceCore
+
+    tiny = _load_tiny()  # its own batcher, on this test's event loop
+    channel = EngineChannel(InferenceCore([tiny]), tmp_path)
+    await channel.start()
+    client = EngineClient(tmp_path, 0, 4 << 20, 4 << 20)
+    try:
+        await client.connect()
+        request = models.RequestGenerator.for_config(models.get_config("tiny"), seed=3).make(2)
+        _, _, outputs = await client.infer("tiny", "", request, ["scores"], np.float64(5.0), np.int64(0))
+        np.testing.assert_array_equal(outputs["scores"], (await tiny.infer(request, ["scores"]))["scores"])
+    finally:
+        await client.close()
+        await channel.close()
