@@ -145,6 +145,7 @@ def run_loadgen(url: str, qps: float, step_dir: Path, args: argparse.Namespace) 
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 preexec_fn=die_with_parent)
         try:
+            log(f"    LoadGen started (pid {proc.pid})")
             next_note = t0 + 15.0
             while proc.poll() is None:
                 now = time.monotonic()
