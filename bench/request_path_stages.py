@@ -20,6 +20,11 @@ requests in flight for ``--hop-seconds`` (0: left out), the engine's model repla
 zeros at once so the figure is the channel's own. It is printed apart from the stages' total. Across
 two processes each crossing also wakes the other process; that cost is not in this figure.
 
+``--batch-rows N`` (0: left out) also times ``batch``: ``PlanRuntime.run`` on one batch of N such requests
+(the host stage, then the dense part where the host-dense tuner sends it, exploring batches included), CPU
+per batch over ``--batch-seconds``, after a second of warm-up that lets the tuner settle. It is the part of
+a request's cost a batch shares, printed apart too.
+
 Each figure is the fastest of ``--repeat`` timings of ``--number`` calls (the least disturbed one: on a
 shared host the others are the host's noise, not the code's). The batcher, the stages of a batch and
 gRPC itself are not here: they are shared by a batch or are not Python, and ``serving_path.py`` and
@@ -158,6 +163,48 @@ def hop_us(model: str, items: int, seconds: float, concurrency: int) -> tuple[fl
         return asyncio.run(_hop(model, items, seconds, concurrency))
 
 
+async def _batches(model: str, items: int, rows: int, seconds: float) -> tuple[float, int]:
+    import time
+
+    import numpy as np
+
+    from bench.serving_path import _requests
+    from sixfold.server.execution.runtime import single_threaded_ops_here
+    from sixfold.server.loading.loader import load_builtin
+    from sixfold.server.observability.metrics import ServerMetrics
+    from sixfold.server.protocol.codec import decode_inputs
+    from sixfold.server.scheduling.batcher import BatchInfo, BatchingConfig
+
+    single_threaded_ops_here()  # as sixfold-serve's event loop does (small stages run inline on it)
+    served = load_builtin(model, max_rows=None, seed=0, cards=6, backend="simcard", card_spec="m2-card",
+                          metrics=ServerMetrics(), batching=BatchingConfig())
+    try:
+        requests = [decode_inputs(r) for r in _requests(model, items)]
+        chosen = [requests[i % len(requests)] for i in range(rows)]
+        batch = {name: np.concatenate([r[name] for r in chosen]) for name in chosen[0]}
+        total = rows * items
+        warm_until = time.monotonic() + 1.0
+        while time.monotonic() < warm_until:
+            await served.runtime.run(batch, BatchInfo(rows=total, requests=rows))
+        count, stop = 0, time.monotonic() + seconds
+        cpu = time.process_time()
+        while time.monotonic() < stop:
+            await served.runtime.run(batch, BatchInfo(rows=total, requests=rows))
+            count += 1
+        return (time.process_time() - cpu) / max(count, 1) * 1e6, count
+    finally:
+        served.runtime.close()
+
+
+def batch_us(model: str, items: int, rows: int, seconds: float) -> tuple[float, int]:
+    """CPU microseconds (every thread's) per ``PlanRuntime.run`` of a batch of ``rows`` requests, and the batches timed."""
+    try:
+        import uvloop
+        return uvloop.run(_batches(model, items, rows, seconds))
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(_batches(model, items, rows, seconds))
+
+
 def measure(calls: dict[str, Callable[[], object]], number: int, repeat: int) -> dict[str, float]:
     """Microseconds per call of each stage: the fastest of ``repeat`` timings of ``number`` calls."""
     return {name: min(timeit.repeat(call, number=number, repeat=repeat)) / number * 1e6
@@ -173,10 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hop-seconds", type=float, default=1.0,
                         help="how long to time the front end -> engine hop of --workers N (default 1; 0: left out)")
     parser.add_argument("--hop-concurrency", type=int, default=16, help="hop requests in flight (default 16)")
+    parser.add_argument("--batch-rows", type=int, default=3,
+                        help="requests in the batch timed through PlanRuntime.run (default 3; 0: left out)")
+    parser.add_argument("--batch-seconds", type=float, default=1.0, help="how long to time it (default 1)")
     parser.add_argument("--no-write", action="store_true", help="accepted for bench/run_all.py; this bench only prints")
     args = parser.parse_args(argv)
     if args.items < 1 or args.number < 1 or args.repeat < 1 or args.hop_concurrency < 1:
         parser.error("--items, --number, --repeat and --hop-concurrency must be at least 1")
+    if args.batch_rows < 0 or not 0 < args.batch_seconds <= 60:
+        parser.error(f"--batch-rows must be at least 0 and --batch-seconds within (0, 60], got {args.batch_rows} "
+                     f"and {args.batch_seconds:g}")
     if not 0 <= args.hop_seconds <= 60:
         parser.error(f"--hop-seconds must be within 0..60, got {args.hop_seconds:g}")
     figures = measure(stages(args.model, args.items), args.number, args.repeat)
@@ -185,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in figures.items():
         print(f"  {name:10s} {us:7.2f}")
     print(f"  {'total':10s} {sum(figures.values()):7.2f}")
+    if args.batch_rows:
+        us, count = batch_us(args.model, args.items, args.batch_rows, args.batch_seconds)
+        print(f"batch of {args.batch_rows} request(s) through PlanRuntime.run (host stage + dense; CPU of every "
+              f"thread, {count} batches): {us:.2f} us per batch, {us / args.batch_rows:.2f} us per request")
     if args.hop_seconds:
         us, count = hop_us(args.model, args.items, args.hop_seconds, args.hop_concurrency)
         print(f"front end -> engine hop (--workers N; CPU of both ends, {count} requests, {args.hop_concurrency} "

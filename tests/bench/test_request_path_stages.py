@@ -41,3 +41,21 @@ def test_the_engine_hop_of_workers_is_timed_over_a_real_socket_and_can_be_left_o
     proc = subprocess.run([sys.executable, str(SCRIPT), "--hop-seconds", "-1"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--hop-seconds" in proc.stderr
+
+
+def test_a_batch_through_the_runtime_is_timed_per_batch_and_per_request_and_can_be_left_out() -> None:
+    line = re.compile(r"^batch of 2 request\(s\) through PlanRuntime.run .*, (\d+) batches\): ([\d.]+) us per batch, "
+                      r"([\d.]+) us per request$", re.M)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "20", "--repeat", "1", "--hop-seconds", "0",
+                           "--batch-rows", "2", "--batch-seconds", "0.3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    match = line.search(proc.stdout)
+    assert match and int(match.group(1)) > 0 and float(match.group(2)) > 0, proc.stdout
+    assert abs(float(match.group(3)) - float(match.group(2)) / 2) < 0.01
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--number", "20", "--repeat", "1", "--hop-seconds", "0",
+                           "--batch-rows", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "PlanRuntime" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--batch-rows", "-1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--batch-rows" in proc.stderr
