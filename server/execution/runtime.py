@@ -11,7 +11,8 @@ can answer in time (every card hung or restarting), the batch's dense part
 runs on the host CPU if a host dense executable exists, else it fails at once
 with UNAVAILABLE naming each card's state. A card's error is judged once a second path (a card,
 or the host fallback) has run the batch: failed the same way there, it is the batch's own (its
-shape; INVALID_ARGUMENT, every card stays in rotation), else the card's. Texts name a lane by
+shape; INVALID_ARGUMENT, every card stays in rotation), else the card's. With no second path (one card,
+no host fallback) the card runs a batch it answered before: answered, the error is the batch's. Texts name a lane by
 its plan card (``cardK``), or a pipeline's as ``replica R (cards a,b,c)``.
 
 Small batches may run their dense part on the host CPU instead (DeepRecSys:
@@ -837,6 +838,32 @@ class PlanRuntime:
             raise
         return -1, await self._fall_back(card_inputs, rows, failures, suspects)
 
+    async def _judge_by_probe(self, card_inputs: Arrays, rows: int,
+                              suspects: list[tuple[int, str, BaseException]]) -> None:
+        """With no second path (one card, no host fallback): the one card that failed this batch runs an item of a
+        batch it answered before; if it answers, the error is the batch's own (INVALID_ARGUMENT) and the card stays.
+
+        Without this a request the model cannot take (a static export's batch size) took the only card out, and the
+        model with it, until a restart. No batch answered yet, or the probe failing too: the card's fault, as before.
+        """
+        probe = self._probe
+        if len(suspects) != 1 or probe is None or isinstance(suspects[0][2], DeviceLost):
+            return
+        if probe[1] == rows and all(card_inputs.get(n) is a for n, a in probe[0].items()):
+            return  # the only batch at hand is this one: nothing known to be good to judge the card by
+        index, text, exc = suspects[0]
+        suspects.clear()
+        why = await self._probe_card(index, whole=True)  # as answered: a static export takes no other size
+        if why is not None:  # the probe counted the fault: out, not counted twice
+            self._take_out(index, text, lost=why.startswith("lost"))
+            return
+        lane = self.lane_name(index)
+        log.warning("a %d-row batch failed on %s, which then answered a batch it had answered before: the request's "
+                    "error; the card stays in rotation (%s)", rows, lane, text)
+        raise BatchRefusedByEveryPath(f"this batch failed on {lane}, the only path, which then answered a batch it had "
+                                      f"answered before, so its inputs do not fit the model: {type(exc).__name__}: "
+                                      f"{exc}") from exc
+
     def _convict(self, suspects: list[tuple[int, str, BaseException]]) -> None:
         """The lanes that failed a batch another path answered (or failed differently): a card fault each."""
         for index, text, _ in suspects:
@@ -932,6 +959,7 @@ class PlanRuntime:
         """
         suspects = suspects if suspects is not None else []
         if not self._can_fall_back:
+            await self._judge_by_probe(card_inputs, rows, suspects)
             self._convict(suspects)
             states = self._states()
             word = self._lanes_word()
@@ -1021,14 +1049,14 @@ class PlanRuntime:
             self.card_gate.changed()
         log.warning("%s restarted and back in rotation", self.lane_name(index))
 
-    async def _probe_card(self, index: int) -> str | None:
-        """Run one item of a recent batch on a restarted card within its deadline; None if it answered."""
+    async def _probe_card(self, index: int, *, whole: bool = False) -> str | None:
+        """Run one item of a recent batch (``whole``: all of it) on a card within its deadline; None if it answered."""
         if self._probe is None:
             return None
         inputs, rows = self._probe
         card = self.cards[index]
         # NOTE: one item when the layouts say where it ends, else the whole batch (never a guessed slice)
-        items = 1 if self._card_split().splittable else rows
+        items = 1 if self._card_split().splittable and not whole else rows
         sample = {n: np.ascontiguousarray(a) for n, a in
                   self._card_split().head({n: inputs[n] for n in card.input_names}, rows, items).items()}
         limit = self.deadlines.hang_after(expected_card_seconds(card, items, sample))

@@ -95,3 +95,53 @@ def test_a_card_failing_on_its_own_is_still_taken_out() -> None:
     assert "batch failed on 2 card(s): card" in info.value.message(), info.value.message()
     assert runtime.router.healthy == [] and all(s.startswith("failed") for s in runtime.card_state), runtime.card_state
     runtime.close()
+
+
+def test_with_one_card_and_no_host_fallback_the_card_judges_itself_on_a_batch_it_answered_before() -> None:
+    """No second path: the lone card runs an item of a batch it answered before; answering it keeps it in."""
+    model, partitioned = partition_builtin("rm1", max_rows=300, seed=4, cards=1)
+    _static_batch(partitioned)
+    metrics = ServerMetrics()
+    served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=BatchingConfig(max_batch_rows=64),
+                              host_dense_max_rows=0)
+    runtime = served.runtime
+    assert runtime.host_dense is None
+    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None, warmup=False),
+                          metrics) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        good = _request(FIXED_ITEMS, 98)  # answered first: the batch the card is judged by
+        client.infer("rm1", triton_inputs(grpcclient, good))
+        for seed, rows in enumerate((3, 5, 1)):
+            with pytest.raises(InferenceServerException) as info:
+                client.infer("rm1", triton_inputs(grpcclient, _request(rows, seed)), client_timeout=20)
+            assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+            message = info.value.message()
+            assert "card0, the only path" in message and "dense_features" in message, message
+            assert runtime.router.healthy == [0] and runtime.card_state == ["healthy"], runtime.card_state
+        request = _request(FIXED_ITEMS, 99)
+        scores = client.infer("rm1", triton_inputs(grpcclient, request)).as_numpy("scores")
+    with torch.inference_mode():
+        expected = model(*(torch.from_numpy(request[k]) for k in
+                           ("dense_features", "sparse_lengths", "sparse_indices"))).numpy()
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-5)
+    assert not any(kind == "error" for _, kind in runtime.fault_counts), runtime.fault_counts
+    runtime.close()
+
+
+def test_with_one_card_and_no_host_fallback_a_card_that_fails_its_own_probe_is_taken_out_once() -> None:
+    _, partitioned = partition_builtin("rm1", max_rows=300, seed=4, cards=1)
+    metrics = ServerMetrics()
+    served = load_partitioned(partitioned, backend="simcard", backend_options={"faults": {"crash_after": 1}},
+                              metrics=metrics, batching=BatchingConfig(max_batch_rows=64), host_dense_max_rows=0)
+    runtime = served.runtime
+    runtime.reload_card = None  # no restarts: the verdict stays visible
+    with BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None, warmup=False),
+                          metrics) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        client.infer("rm1", triton_inputs(grpcclient, _request(3, 0)))  # its one good batch
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("rm1", triton_inputs(grpcclient, _request(3, 1)), client_timeout=20)
+    assert info.value.status() == "StatusCode.UNAVAILABLE", info.value
+    assert runtime.router.healthy == [] and runtime.card_state[0].startswith("failed"), runtime.card_state
+    assert runtime.fault_counts == {(0, "error"): 1}, runtime.fault_counts  # the batch's failure, not also the probe's
+    runtime.close()
