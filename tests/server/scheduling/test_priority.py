@@ -233,7 +233,11 @@ async def test_over_grpc_priority_orders_service_and_each_level_has_its_queue_bo
     assert refused == [str(grpc.StatusCode.RESOURCE_EXHAUSTED)] * 2, done
     assert refused_after < 0.15, f"the refusal took {refused_after * 1e3:.0f} ms; it should be at once"
     served = [tag for tag in done if ":" not in tag]
-    assert served == ["first", "high0", "high1", "low0", "low1"], done  # level 1 jumped the level-2 queue
+    # NOTE: the four high requests are sent in one instant over one channel; which two the server reads first is
+    # not defined (each handler reads its own message), only that two are queued, two refused, and both served
+    # before the level-2 queue: level 1 jumped it
+    assert served[0] == "first" and served[3:] == ["low0", "low1"], done
+    assert len(set(served[1:3])) == 2 and all(tag.startswith("high") for tag in served[1:3]), done
 
 
 def test_the_priority_parameter_is_read_like_tritonclient_sends_it_and_bad_values_are_named() -> None:
