@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sixfold.backends.host.native import write_json_atomic
 from sixfold.backends.host.usable_cores import UsableCores, usable_cores
 from sixfold.backends.spec import DeviceSpec
 
@@ -101,10 +102,7 @@ def auto_core_spec(seconds_budget: float | None = None) -> DeviceSpec:
     spec = calibrate_host(budget, threads=1, name=f"host-core-{machine_key()}")
     spec = dataclasses.replace(spec, kind="card",
                                description=f"{spec.description}; load average {load:.1f} while measured")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
-    tmp.replace(target)  # atomic: two processes calibrating at once leave one whole file
+    write_json_atomic(target, spec.to_dict())
     return spec
 
 

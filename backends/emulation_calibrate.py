@@ -22,6 +22,7 @@ other work they get the share the cards get.
 
 from __future__ import annotations
 
+from sixfold.backends.host.native import write_json_atomic
 import json
 import os
 import statistics
@@ -269,8 +270,5 @@ def auto_emulation(seconds_budget: float | None = None, path: Path | None = None
     budget = seconds_budget or float(os.environ.get("SIXFOLD_CALIBRATE_SECONDS", "4"))
     print(f"sixfold: measuring this host's emulated-card speed once ({budget:g} s); cached in {path}", file=sys.stderr)
     cal = calibrate_emulation(budget)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, cal.to_dict())
     return cal

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from sixfold.backends.host.native import cache_dir
+from sixfold.backends.host.native import cache_dir, write_json_atomic
 from sixfold.backends.spec import DeviceSpec
 
 __all__ = ["calibrate_host", "measure_host", "main", "MATMUL_SHAPES", "GATHER_DIMS", "machine_key", "cache_dir",
@@ -388,10 +388,7 @@ def auto_host_spec(seconds_budget: float | None = None) -> DeviceSpec:
     if load > (os.cpu_count() or 1):
         print(f"sixfold: warning: the host was busy while calibrated (load average {load:.1f} on {os.cpu_count()} "
               f"CPUs), so its figures are slow; delete {target} to measure again when it is quiet", file=sys.stderr)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
-    tmp.replace(target)  # NOTE: atomic, so two processes calibrating at once leave one whole file
+    write_json_atomic(target, spec.to_dict())
     return spec
 
 

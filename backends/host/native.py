@@ -33,6 +33,18 @@ def cache_dir() -> Path:
     return Path(base) / "sixfold"
 
 
+def write_json_atomic(path: Path, data: object) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary file renamed into place: two processes
+    calibrating at once leave one whole file, and a reader never sees half of one."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
 class NativeHelper:
     """One C source, loaded at most once per process.
 

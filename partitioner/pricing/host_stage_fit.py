@@ -13,8 +13,8 @@ file exists, and with the host spec otherwise.
 
 from __future__ import annotations
 
+from sixfold.backends.host.native import write_json_atomic
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -61,12 +61,7 @@ def load_host_stage(path: Path | None = None) -> HostStageFit | None:
 
 def save_host_stage(fit: HostStageFit, path: Path | None = None) -> Path:
     """Write ``fit`` atomically (a concurrent reader sees a whole file)."""
-    path = path or host_stage_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(fit), indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path or host_stage_file(), asdict(fit))
 
 
 def fit_host_stage(items: Sequence[float], ids_per_item: Sequence[float], bags_per_item: Sequence[float],

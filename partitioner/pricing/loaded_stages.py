@@ -21,6 +21,7 @@ served figures it predicts are medians on a host that other processes share.
 
 from __future__ import annotations
 
+from sixfold.backends.host.native import write_json_atomic
 import hashlib
 import json
 import os
@@ -115,12 +116,7 @@ def load_stage_timing(fingerprint: str, path: Path | None = None) -> StageTiming
 
 def save_stage_timing(timing: StageTiming, path: Path | None = None) -> Path:
     """Write ``timing`` atomically (a concurrent reader sees a whole file)."""
-    path = path or stage_timing_file(timing.fingerprint)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(timing.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path or stage_timing_file(timing.fingerprint), timing.to_dict())
 
 
 def _at_once(run: Callable[[int], Any], sizes: Sequence[int], nice: int | None) -> float:

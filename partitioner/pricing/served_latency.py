@@ -14,8 +14,8 @@ default (``DEFAULT_SERVING_PATH``, measured on the development VM) is used and n
 
 from __future__ import annotations
 
+from sixfold.backends.host.native import write_json_atomic
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -68,12 +68,7 @@ def load_serving_path(path: Path | None = None) -> ServingPath:
 
 def save_serving_path(path_cost: ServingPath, path: Path | None = None) -> Path:
     """Write ``path_cost`` as this host's calibration (atomically: a concurrent reader sees a whole file)."""
-    path = path or serving_path_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(path_cost), indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path or serving_path_file(), asdict(path_cost))
 
 
 def fit_serving_path(rows: Sequence[int], seconds: Sequence[float], source: str,
