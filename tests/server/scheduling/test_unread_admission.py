@@ -1,4 +1,4 @@
-"""A request that every model would refuse is refused before its message is read (real gRPC, stock tritonclient).
+"""A request that every model would refuse is refused before its message is read (real gRPC and REST, stock tritonclient).
 
 rm1 on throttled simcards (one batch of a few rows holds a card ~0.2 s), one batch at a time and one
 request queued at most: one request running and one queued, a burst of 6 more that
@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as tc
+import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from sixfold import models
@@ -39,7 +40,7 @@ def slow_rm1():
                               max_queue_size=1)
     served = load_partitioned(partitioned, backend="simcard", metrics=metrics, batching=batching,
                               backend_options={"faults": {"slow_factor": 4000.0}}, host_dense_max_rows=0)
-    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, metrics_port=None,
+    background = BackgroundServer(InferenceCore([served]), ServerConfig(grpc_port=0, http_port=0, metrics_port=None,
                                                                         warmup=False), metrics).start()
     try:
         yield background, metrics
@@ -118,3 +119,64 @@ async def test_with_priorities_on_nothing_is_refused_unread() -> None:
                              max_queue_size=1, priority_levels=2, default_priority_level=2)
     assert batcher.refusal_before_read(reading=100) is None  # a message may ask for the higher level
     await batcher.close()
+
+
+# REST: the model its path names is asked before the body is read (429, counted as rest/overloaded)
+
+def _send_rest(url: str, request: dict) -> str:
+    client = th.InferenceServerClient(url, network_timeout=30.0)
+    try:
+        client.infer("rm1", triton_inputs(th, request))
+        return "OK"
+    except InferenceServerException as exc:
+        return f"{exc.status()}: {exc.message()}"
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_rest_burst_past_a_full_queue_is_refused_unread_and_the_server_keeps_serving(slow_rm1) -> None:
+    background, metrics = slow_rm1
+    url = background.http_url
+    request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=4).make(ROWS)
+    with ThreadPoolExecutor(8) as pool:
+        first = [pool.submit(_send_rest, url, request)]
+        time.sleep(0.05)
+        first.append(pool.submit(_send_rest, url, request))
+        time.sleep(0.1)
+        burst = [pool.submit(_send_rest, url, request) for _ in range(6)]
+        outcomes = [f.result(timeout=60) for f in first + burst]
+    answered = [o for o in outcomes if o == "OK"]
+    refused = [o for o in outcomes if o.startswith("429")]
+    assert len(answered) + len(refused) == len(outcomes), outcomes  # nothing else: no 500, no timeout
+    assert 1 <= len(answered) <= 3, outcomes
+    unread = [o for o in refused if UNREAD in o and "max_queue_size 1" in o]
+    assert unread, outcomes
+    assert metrics.refused.labels("rest", "overloaded")._value.get() >= len(unread)
+    # once the burst is gone, one client is refused nothing and answered twice on its connection
+    client = th.InferenceServerClient(url, network_timeout=30.0)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.infer("rm1", triton_inputs(th, request))
+                break
+            except InferenceServerException:
+                assert time.monotonic() < deadline, "the server did not admit a request after the burst"
+                time.sleep(0.2)
+        client.infer("rm1", triton_inputs(th, request))
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_model_is_404_before_its_body_is_read(slow_rm1) -> None:
+    background, _ = slow_rm1
+    request = models.RequestGenerator.for_config(models.get_config("rm1", max_rows=300), seed=4).make(ROWS)
+    client = th.InferenceServerClient(background.http_url, network_timeout=30.0)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("no-such-model", triton_inputs(th, request))
+        assert info.value.status() == "404" and "no-such-model" in info.value.message()
+    finally:
+        client.close()
